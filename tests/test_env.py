@@ -1,0 +1,398 @@
+"""env.py: loaders, synthetic worlds, action parser, environment rules, rollout, data errors."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import env
+from conftest import REPO
+
+# ----------------------------------------------------------------------------- helpers
+
+
+class TitleRetriever:
+    """Mechanics-only retriever: the paragraph whose title occurs in the query, else paragraph 0."""
+
+    def __init__(self):
+        self.calls = []
+
+    def retrieve(self, examples, queries):
+        self.calls.append(len(queries))
+        out = []
+        for ex, q in zip(examples, queries):
+            hit = [i for i, (t, _) in enumerate(ex.paragraphs) if t.lower() in q.lower()]
+            out.append(hit[0] if hit else 0)
+        return out
+
+
+def scripted(script):
+    """An agent that replays `script[example question]` step by step."""
+    def act(prompts):
+        outs = []
+        for p in prompts:
+            q = p[1]["content"].split("\n")[0].removeprefix("Question: ")
+            n = p[1]["content"].count("\nObservation: ")
+            outs.append(script[q][n] if n < len(script[q]) else "I am not sure.")
+        return outs
+    return act
+
+
+def oracle(examples):
+    """Search the supporting titles (as many as the budget allows), then finish with the gold answer."""
+    budget = {ex.id: env.DEFAULT_MAX_SEARCHES[ex.dataset] for ex in examples}
+    return scripted({ex.question: [f"Search[{ex.paragraphs[i][0]}]" for i in ex.supporting[:budget[ex.id]]]
+                     + [f"Finish[{ex.answer}]"] for ex in examples})
+
+
+def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+HOTPOT = {"_id": "h1", "question": "In what year was the university where Ann Lee taught founded?", "answer": "1755",
+          "type": "bridge", "level": "hard",
+          "supporting_facts": [["Ann Lee", 0], ["Moscow State University", 1]],
+          "context": [["Moscow State University", ["MSU is a university in Moscow.", " It was founded in 1755."]],
+                      ["Ann Lee", ["Ann Lee was a professor at Moscow State University."]],
+                      ["Kyiv", ["Kyiv is a city."]]]}
+TWOWIKI = {"_id": "w1", "type": "compositional", "question": "Where was the performer of Well Well Well born?",
+           "context": [["John Lennon", ["John Lennon was an English singer.", "He was born in Liverpool."]],
+                       ["Well Well Well (John Lennon song)", ["Well Well Well is a song by John Lennon."]]],
+           "supporting_facts": [["Well Well Well (John Lennon song)", 0], ["John Lennon", 1]],
+           "evidences": [["Well Well Well", "performer", "John Lennon"], ["John Lennon", "place of birth", "Liverpool"]],
+           "answer": "Liverpool"}
+MUSIQUE = {"id": "2hop__1_2", "question": "Who founded the label of Album X?", "answer": "Ann Lee",
+           "answer_aliases": ["Ann B. Lee", "Ann Lee"], "answerable": True,
+           "paragraphs": [{"idx": 0, "title": "Album X", "paragraph_text": "Album X was released by Y Records.", "is_supporting": True},
+                          {"idx": 1, "title": "Other", "paragraph_text": "Unrelated.", "is_supporting": False},
+                          {"idx": 2, "title": "Y Records", "paragraph_text": "Y Records was founded by Ann Lee.", "is_supporting": True}],
+           "question_decomposition": [{"id": 1, "question": "Album X >> record label", "answer": "Y Records", "paragraph_support_idx": 0},
+                                      {"id": 2, "question": "Who founded #1?", "answer": "Ann Lee", "paragraph_support_idx": 2}]}
+
+
+# ----------------------------------------------------------------------------- loaders
+
+
+def test_hotpot_minimal(tmp_path):
+    write_jsonl(tmp_path / "hotpotqa" / "dev.jsonl", [HOTPOT])
+    [ex] = env.load_split("hotpotqa", "dev", data_dir=str(tmp_path))
+    assert ex.id == "h1" and ex.answers == ["1755"] and ex.type == "bridge" and ex.dataset == "hotpotqa"
+    assert ex.paragraphs[0] == ("Moscow State University", "MSU is a university in Moscow. It was founded in 1755.")
+    assert ex.supporting == [1, 0]  # in supporting_facts order
+    assert ex.hops == []
+
+
+def test_2wiki_minimal_json_array(tmp_path):
+    (tmp_path / "2wiki").mkdir()
+    (tmp_path / "2wiki" / "dev.json").write_text(json.dumps([TWOWIKI]), encoding="utf-8")
+    [ex] = env.load_split("2wiki", "dev", data_dir=str(tmp_path))
+    assert ex.paragraphs[0][1] == "John Lennon was an English singer. He was born in Liverpool."  # space inserted
+    assert ex.supporting == [1, 0]
+    # evidence subject "Well Well Well" matches the title without its disambiguation
+    assert ex.hops == [{"query": "Well Well Well performer", "answer": "John Lennon", "paragraph": 1},
+                       {"query": "John Lennon place of birth", "answer": "Liverpool", "paragraph": 0}]
+
+
+def test_musique_minimal(tmp_path):
+    unanswerable = dict(MUSIQUE, id="2hop__9_9", answerable=False)
+    write_jsonl(tmp_path / "musique" / "dev.jsonl", [MUSIQUE, unanswerable])
+    examples, skipped = env.read_examples(tmp_path / "musique" / "dev.jsonl", "musique")
+    assert [e.id for e in examples] == ["2hop__1_2"] and skipped == {"unanswerable": 1}
+    ex = examples[0]
+    assert ex.answers == ["Ann Lee", "Ann B. Lee"]  # gold first, aliases after, no duplicate
+    assert ex.supporting == [0, 2] and ex.type == "2hop"
+    assert ex.hops[1] == {"query": "Who founded Y Records?", "answer": "Ann Lee", "paragraph": 2}  # "#1" filled in
+    assert env.answer_reward("Ann B. Lee", ex.answers) == 1.0  # an alias counts
+
+
+def test_official_file_names_are_found(tmp_path):
+    write_jsonl(tmp_path / "musique" / "musique_ans_v1.0_dev.jsonl", [MUSIQUE])
+    (tmp_path / "hotpotqa").mkdir()
+    (tmp_path / "hotpotqa" / "hotpot_dev_distractor_v1.json").write_text(json.dumps([HOTPOT]))
+    assert env.find_data_file("musique", "dev", tmp_path).name == "musique_ans_v1.0_dev.jsonl"
+    assert env.find_data_file("hotpotqa", "dev", tmp_path).name == "hotpot_dev_distractor_v1.json"
+
+
+def test_skip_reasons(tmp_path):
+    rows = [HOTPOT, dict(HOTPOT, _id="h2", answer=" "), dict(HOTPOT, _id="h3", context=[]),
+            dict(HOTPOT, _id="h4", supporting_facts=[["Nowhere", 0]])]
+    write_jsonl(tmp_path / "hotpotqa" / "dev.jsonl", rows)
+    examples, skipped = env.read_examples(tmp_path / "hotpotqa" / "dev.jsonl", "hotpotqa")
+    assert [e.id for e in examples] == ["h1"]
+    assert skipped == {"empty answer": 1, "no paragraphs": 1, "no supporting title found in context": 1}
+
+
+@pytest.mark.parametrize("dataset,n_train,n_dev", [("hotpotqa", 400, 300), ("2wiki", 400, 100), ("musique", 299, 296)])
+def test_shared_data_every_example_loads(data_dir, dataset, n_train, n_dev):
+    rows = env.load_report([dataset], ["train", "dev"], data_dir)
+    assert [(r["split"], r["loaded"], r["skipped"]) for r in rows] == [("train", n_train, "0"), ("dev", n_dev, "0")]
+    for ex in env.load_split(dataset, "dev", data_dir=data_dir):
+        assert ex.question and ex.answers[0] and len(ex.paragraphs) >= 2 and ex.supporting
+        assert all(0 <= i < len(ex.paragraphs) for i in ex.supporting)
+        if dataset != "hotpotqa":
+            assert ex.hops  # 2Wiki evidences, MuSiQue decomposition
+        if dataset == "musique":
+            assert all(h["paragraph"] in ex.supporting for h in ex.hops)
+
+
+def test_env_cli_reports_every_file(data_dir):
+    r = subprocess.run([sys.executable, "env.py", "--dataset", "all", "--split", "all", "--data-dir", data_dir],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 8 and "hotpotqa/dev   loaded   300  skipped 0" in r.stdout
+
+
+def test_sampling_is_deterministic_and_nested(data_dir):
+    a = [e.id for e in env.load_split("hotpotqa", "train", data_dir, size=50, seed=3)]
+    b = [e.id for e in env.load_split("hotpotqa", "train", data_dir, size=50, seed=3)]
+    c = [e.id for e in env.load_split("hotpotqa", "train", data_dir, size=80, seed=3)]
+    d = [e.id for e in env.load_split("hotpotqa", "train", data_dir, size=50, seed=4)]
+    assert a == b and c[:50] == a and a != d and len(set(a)) == 50
+    assert len(env.load_split("hotpotqa", "dev", data_dir, size=2000)) == 300  # all there is
+
+
+# ----------------------------------------------------------------------------- synthetic
+
+
+def test_synthetic_deterministic_and_split_disjoint():
+    a, b = env.synthetic_examples(30, seed=1, split="train"), env.synthetic_examples(30, seed=1, split="train")
+    assert [(e.question, e.answers, e.paragraphs) for e in a] == [(e.question, e.answers, e.paragraphs) for e in b]
+    dev = env.synthetic_examples(30, seed=1, split="dev")
+    assert not {e.question for e in a} & {e.question for e in dev}
+    assert env.synthetic_examples(30, seed=2, split="train")[0].question != a[0].question
+
+
+def test_synthetic_worlds_are_consistent():
+    examples = env.synthetic_examples(300, seed=0, split="dev")
+    assert {e.type for e in examples} == {"bridge", "comparison"}
+    for ex in examples:
+        assert len(ex.paragraphs) == 8 and len({t for t, _ in ex.paragraphs}) == 8  # distinct invented titles
+        assert len(ex.hops) == 2 and [h["paragraph"] for h in ex.hops] == ex.supporting
+        for hop in ex.hops:  # each hop's answer is stated in its paragraph
+            assert hop["answer"] in ex.paragraphs[hop["paragraph"]][1]
+        if ex.type == "bridge":  # hop 1 finds entity B, whose paragraph holds the answer
+            assert ex.hops[0]["answer"] == ex.paragraphs[ex.hops[1]["paragraph"]][0]
+            assert ex.answer == ex.hops[1]["answer"]
+        elif ex.answer not in ("yes", "no"):
+            assert ex.answer in [ex.paragraphs[h["paragraph"]][0] for h in ex.hops]
+
+
+def test_oracle_gets_reward_one_on_every_synthetic_example(retriever):
+    examples = env.synthetic_examples(200, seed=0, split="dev")
+    trajs = env.rollout(examples, oracle(examples), retriever)
+    assert [t.reward for t in trajs] == [1.0] * 200
+    assert all([s.action for s in t.steps] == ["search", "search", "finish"] for t in trajs)
+    hits = [s.retrieved in t.example.supporting for t in trajs for s in t.steps if s.action == "search"]
+    assert sum(hits) / len(hits) > 0.9  # titles are distinct invented names; MiniLM should find them
+
+
+def test_oracle_on_shared_dev_samples(data_dir, retriever):
+    for dataset in ("hotpotqa", "2wiki", "musique"):
+        examples = env.load_split(dataset, "dev", data_dir, size=10)
+        trajs = env.rollout(examples, oracle(examples), retriever)
+        assert all(t.reward == 1.0 and t.finished for t in trajs), dataset
+        budget = env.DEFAULT_MAX_SEARCHES[dataset]
+        assert all(len(t.steps) == min(len(t.example.supporting), budget) + 1 for t in trajs)
+
+
+def test_retrieval_hit_rate_arithmetic():
+    ex = env.Example("x", "q?", ["a"], [("A", "a"), ("B", "b"), ("C", "c")], supporting=[0, 1])
+
+    class Fixed:  # query "A" -> paragraph 1 (a supporting one, not its own); "B" -> 2 (a miss)
+        def retrieve(self, examples, queries):
+            return [{"A": 1, "B": 2}[q] for q in queries]
+    assert env.retrieval_hit_rate([ex], Fixed()) == {"queries": 2, "supporting_hit": 0.5, "same_paragraph": 0.0}
+
+
+def test_retriever_encodes_normalized_and_caches(retriever):
+    ex = env.synthetic_examples(1, split="dev")[0]
+    emb = retriever.encode(["Search for a person", "another text"])
+    assert emb.shape == (2, 384)
+    assert abs(float(emb.norm(dim=-1)[0]) - 1) < 1e-5
+    first = retriever.retrieve([ex, ex], [ex.paragraphs[3][0], ex.paragraphs[5][0]])
+    assert first == [3, 5]
+    assert (ex.dataset, ex.id) in retriever.cache
+
+
+# ----------------------------------------------------------------------------- action parser
+
+PARSES = [
+    ("Search[Sergei Tokarev]", "search", "Sergei Tokarev"),
+    ("  search [ Sergei Tokarev ]  ", "search", "Sergei Tokarev"),
+    ("SEARCH[Moscow State University]", "search", "Moscow State University"),
+    ("Finish[1755]", "finish", "1755"),
+    ("finish[ yes ]", "finish", "yes"),
+    ("I should look him up first. Search[Sergei Tokarev] and then see.", "search", "Sergei Tokarev"),
+    ("Action: Search[Tokarev university]\nObservation: ...", "search", "Tokarev university"),
+    ("<think>Maybe Finish[1800]? No, search first.</think>Search[MSU founded]", "search", "MSU founded"),
+    ("<THINK>\nlong thoughts\n</THINK>\n\nFinish[Paris]", "finish", "Paris"),
+    ("Search[A] Finish[B]", "search", "A"),                      # first action wins
+    ("Finish[B]\nSearch[A]", "finish", "B"),
+    ("Search[Tokarev)", "search", "Tokarev"),                    # ")" for "]"
+    ("Search(Tokarev)", "search", "Tokarev"),
+    ("Finish[Well Well Well (John Lennon song)]", "finish", "Well Well Well (John Lennon song)"),
+    ("Finish[Paris (France)", "finish", "Paris (France)"),       # unclosed, balanced parens kept
+    ("Search[John Lennon birthplace\nmore text", "search", "John Lennon birthplace"),
+    ('Finish["Liverpool"]', "finish", "Liverpool"),              # quotes stripped
+    ("**Finish[Liverpool]**", "finish", "Liverpool"),
+    ("Search[ John   Lennon ]", "search", "John Lennon"),         # spaces folded
+    ("Search: John Lennon", "search", "John Lennon"),            # colon form on its own line
+    ("Thought: I know it.\nFinish: Liverpool", "finish", "Liverpool"),
+    ("Finish[1,755 CE]", "finish", "1,755 CE"),
+    ("Research[John]", "invalid", ""),                            # not an action word
+    ("Search[]", "invalid", ""),
+    ("Finish[   ]", "invalid", ""),
+    ("", "invalid", ""),
+    ("I think the answer is Liverpool.", "invalid", ""),
+    ("<think>Search[x]</think>", "invalid", ""),                  # an action inside thoughts does not count
+    ("Lookup[John Lennon]", "invalid", ""),
+]
+
+
+@pytest.mark.parametrize("output,kind,arg", PARSES)
+def test_parse_action(output, kind, arg):
+    a = env.parse_action(output)
+    assert (a.kind, a.argument) == (kind, arg)
+    assert bool(a.reason) == (kind == "invalid")
+
+
+def test_parse_action_reasons():
+    assert env.parse_action("Search[]").reason == "empty Search[] argument"
+    assert env.parse_action("hello").reason == "no Search[...] or Finish[...] found"
+
+
+# ----------------------------------------------------------------------------- environment rules
+
+
+def toy(n=1):
+    return [env.Example(f"t{i}", f"Question number {i}?", ["gold"], [("Alpha", "alpha text"), ("Beta", "beta text")],
+                        [1], dataset="hotpotqa") for i in range(n)]
+
+
+def test_budget_exhaustion_forces_finish_prompt():
+    [ex] = toy()
+    act = scripted({ex.question: ["Search[Alpha]", "Search[Beta]", "Search[Alpha]", "Finish[gold]"]})
+    [t] = env.rollout([ex], act, TitleRetriever())
+    assert [s.action for s in t.steps] == ["search", "search", "search", "finish"]
+    assert [s.searches_left for s in t.steps] == [3, 2, 1, 0]
+    assert [s.forced_finish for s in t.steps] == [False, False, False, True]
+    assert "No searches are left" in t.steps[3].prompt[1]["content"]
+    assert "Searches left: 3" in t.steps[0].prompt[1]["content"]
+    assert t.steps[1].retrieved == 1 and t.steps[1].observation.startswith("Beta: beta text")
+    assert t.reward == 1.0 and t.answer == "gold"
+
+
+def test_search_after_budget_is_invalid_and_horizon_ends_with_r0():
+    [ex] = toy()
+    act = scripted({ex.question: ["Search[Alpha]"] * 4})
+    [t] = env.rollout([ex], act, TitleRetriever(), max_searches=3)
+    assert len(t.steps) == 4  # horizon = budget + 1
+    assert [s.valid for s in t.steps] == [True, True, True, False]
+    assert t.steps[3].reason.startswith("no search left")
+    assert t.steps[3].observation.startswith("Invalid action (no search left")
+    assert t.answer == "" and t.reward == 0.0 and not t.finished
+
+
+def test_invalid_steps_use_up_the_horizon():
+    [ex] = toy()
+    act = scripted({ex.question: ["hmm", "Search[]", "Search[Beta]", "Search[Alpha]", "Finish[gold]"]})
+    [t] = env.rollout([ex], act, TitleRetriever(), max_searches=3)
+    # 4 steps allowed: two invalid, two searches; the 4th step is the horizon's last, so finish-only
+    assert [s.action for s in t.steps] == ["invalid", "invalid", "search", "invalid"]
+    assert [s.forced_finish for s in t.steps] == [False, False, False, True]
+    assert t.steps[1].reason == "empty Search[] argument"
+    assert "Invalid action (empty Search[] argument)" in t.steps[2].prompt[1]["content"]  # the agent sees it
+    assert t.reward == 0.0 and t.answer == ""
+
+
+def test_wrong_answer_gets_zero_and_finish_ends_early():
+    [ex] = toy()
+    [t] = env.rollout([ex], scripted({ex.question: ["Finish[silver]"]}), TitleRetriever())
+    assert len(t.steps) == 1 and t.finished and t.answer == "silver" and t.reward == 0.0
+
+
+def test_rollout_is_batched_in_lockstep():
+    examples = toy(4)
+    script = {ex.question: ["Search[Alpha]"] * i + ["Finish[gold]"] for i, ex in enumerate(examples)}
+    calls = []
+
+    def act(prompts):
+        calls.append(len(prompts))
+        return scripted(script)(prompts)
+    r = TitleRetriever()
+    trajs = env.rollout(examples, act, r)
+    assert calls == [4, 3, 2, 1]  # one call per round for all still-active environments
+    assert r.calls == [3, 2, 1]  # one retrieval batch per round that has searches
+    assert [len(t.steps) for t in trajs] == [1, 2, 3, 4]
+    assert all(t.reward == 1.0 for t in trajs)
+    d = trajs[2].to_dict()
+    assert d["id"] == "t2" and d["reward"] == 1.0 and len(d["steps"]) == 3 and "prompt" not in d["steps"][0]
+    json.dumps(d)  # serializable for traces
+
+
+def test_act_must_answer_every_prompt():
+    with pytest.raises(ValueError, match="1 outputs for 2 prompts"):
+        env.rollout(toy(2), lambda prompts: ["Finish[x]"], TitleRetriever())
+
+
+def test_history_and_observation_cut():
+    [ex] = toy()
+    long = ("Longtitle", "word " * 200)
+    assert len(env.observation_text(long, 50)) <= 54 and env.observation_text(long, 50).endswith(" ...")
+    act = scripted({ex.question: ["x" * 300, "Finish[gold]"]})
+    [t] = env.rollout([ex], act, TitleRetriever())
+    hist = env.format_history(t.steps[:1])
+    assert hist.startswith("Step 1: " + "x" * 120 + "...\nObservation: Invalid action")
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_missing_data_offline_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARCO_OFFLINE", "1")
+    monkeypatch.setenv("ARCO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("ARCO_DATA_DIR", raising=False)
+    with pytest.raises(env.DataError) as e:
+        env.load_split("musique", "dev", data_dir=str(tmp_path))
+    msg = str(e.value)
+    assert "no musique dev data" in msg and "musique_ans_v1.0_dev.jsonl" in msg
+    assert "ARCO_OFFLINE=1" in msg and "--dataset synthetic" in msg and "drive" in msg  # names the official source
+
+
+def test_failed_download_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("ARCO_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("ARCO_DATA_DIR", raising=False)
+    monkeypatch.setenv("ARCO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(env.DOWNLOADS["hotpotqa"], "dev", ("http://127.0.0.1:9/hotpot_dev.json", None, "dev.json"))
+    with pytest.raises(env.DataError, match="the download failed") as e:
+        env.find_data_file("hotpotqa", "dev", tmp_path)
+    assert "--dataset synthetic" in str(e.value)
+    assert not (tmp_path / "cache" / "data" / "hotpotqa" / "dev.json").exists()
+
+
+def run_cli(*argv, **kw):
+    return subprocess.run([sys.executable, "env.py", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **kw})
+
+
+def test_cli_errors(tmp_path):
+    r = run_cli("--dataset", "squad")
+    assert r.returncode == 1 and r.stderr.strip() == (
+        "error: unknown dataset 'squad': choose one of hotpotqa, 2wiki, musique, synthetic")
+    rows = [HOTPOT, HOTPOT]
+    write_jsonl(tmp_path / "hotpotqa" / "dev.jsonl", rows)
+    with open(tmp_path / "hotpotqa" / "dev.jsonl", "a") as f:
+        f.write('{"_id": "broken", "question": \n')
+    r = run_cli("--dataset", "hotpotqa", "--data-dir", str(tmp_path))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith(f"error: {tmp_path / 'hotpotqa' / 'dev.jsonl'}:3: not valid JSON")
+    write_jsonl(tmp_path / "2wiki" / "dev.jsonl", [{k: v for k, v in TWOWIKI.items() if k != "question"}])
+    r = run_cli("--dataset", "2wiki", "--data-dir", str(tmp_path))
+    assert r.stderr.strip() == f"error: {tmp_path / '2wiki' / 'dev.jsonl'}:1: missing field 'question'"
+    r = run_cli("--dataset", "musique", "--data-dir", str(tmp_path), ARCO_OFFLINE="1",
+                ARCO_CACHE=str(tmp_path / "c"), ARCO_DATA_DIR="")
+    assert r.returncode == 1 and r.stderr.startswith("error: no musique dev data") and "Traceback" not in r.stderr

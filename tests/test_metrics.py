@@ -1,0 +1,284 @@
+"""Tests of evaluate.py: EM / F1 with the official HotpotQA semantics (§4.1; Alg. 1,
+line 23 uses EM as R(τ)), score_predictions, the predictions reader and the CLI.
+
+Every expected number below was worked out by hand, not by running the code.
+"""
+import json
+import os
+import subprocess
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import evaluate  # noqa: E402
+from evaluate import (PredictionError, exact_match, f1_score, format_table,  # noqa: E402
+                      normalize_answer, read_predictions, score_predictions)
+
+# (prediction, gold, EM, F1)
+CASES = [
+    # articles
+    ("The Beatles", "beatles", 1.0, 1.0),
+    ("an apple", "apple", 1.0, 1.0),
+    ("The Who", "Who", 1.0, 1.0),                   # the band name loses its article too
+    ("theater", "ater", 0.0, 0.0),                  # 'the' inside a word stays: 'theater' vs 'ater'
+    ("the theater", "Theater", 1.0, 1.0),
+    ("the", "a", 1.0, 0.0),                         # both normalize to '': EM 1, no token → F1 0
+    # punctuation (ASCII only, deleted without inserting a space)
+    ("U.S.A.", "USA", 1.0, 1.0),
+    ("Lennon's", "Lennons", 1.0, 1.0),
+    ("Lennon’s", "Lennons", 0.0, 0.0),              # curly apostrophe is not ASCII punctuation
+    ("rock-and-roll", "rock and roll", 0.0, 0.0),   # 'rockandroll' vs 3 tokens: nothing shared
+    ("snake_case", "snakecase", 1.0, 1.0),          # '_' is in string.punctuation
+    # numbers
+    ("1,755", "1755", 1.0, 1.0),
+    ("1.5", "15", 1.0, 1.0),                        # the decimal point is punctuation too
+    ("in 1755", "1755", 0.0, 2 / 3),                # P 1/2, R 1/1 → 2·(1/2)/(3/2) = 2/3
+    # case and whitespace
+    ("  New \t York\n", "new york", 1.0, 1.0),
+    ("NEW YORK city", "New York", 0.0, 0.8),        # P 2/3, R 2/2 → 2·(2/3)/(5/3) = 4/5
+    # yes / no / noanswer rule
+    ("yes", "no", 0.0, 0.0),
+    ("yes", "yes it is", 0.0, 0.0),                 # would be P 1, R 1/3 → 0.5 without the rule
+    ("the answer is no", "no", 0.0, 0.0),           # gold side special; would be 0.5 without it
+    ("no", "no", 1.0, 1.0),
+    ("No.", "no", 1.0, 1.0),
+    ("YES", "yes", 1.0, 1.0),
+    ("noanswer", "no answer", 0.0, 0.0),
+    # aliases: max over the list
+    ("Barack Obama", ["President Obama", "Barack Hussein Obama", "Obama"], 0.0, 0.8),
+    # ^ per alias: P 1/2 R 1/2 → 0.5; P 2/2 R 2/3 → 0.8; P 1/2 R 1/1 → 2/3; max 0.8
+    ("JFK", ["John F. Kennedy", "JFK"], 1.0, 1.0),
+    ("yes", ["no", "yes"], 1.0, 1.0),
+    # unicode: no folding
+    ("Café", "cafe", 0.0, 0.0),
+    ("naïve", "naïve", 1.0, 1.0),
+    ("na\u00efve", "nai\u0308ve", 0.0, 0.0),        # composed ï vs i + combining diaeresis
+    ("1990–1995", "1990-1995", 0.0, 0.0),           # en dash kept, hyphen deleted: '1990–1995' vs '19901995'
+    ("1990–1995", "1990–1995", 1.0, 1.0),
+    # empty
+    ("", "Paris", 0.0, 0.0),
+    ("", "", 1.0, 0.0),                             # official: EM 1 but F1 0 (no common token)
+    ("A.", "", 1.0, 0.0),                           # 'a.' → 'a' → '' (article)
+    # partial overlap, repeated tokens counted as a multiset
+    ("Paris France", "Paris, Texas", 0.0, 0.5),     # P 1/2, R 1/2 → 1/2
+    ("Ella Fitzgerald", "Ella Jane Smith", 0.0, 0.4),  # P 1/2, R 1/3 → 2·(1/6)/(5/6) = 0.4
+    ("paris paris paris", "paris", 0.0, 0.5),       # common min(3,1)=1: P 1/3, R 1 → 2·(1/3)/(4/3) = 1/2
+    ("new york new york", "New York", 0.0, 2 / 3),  # common 2: P 2/4, R 2/2 → 2·(1/2)/(3/2) = 2/3
+    ("x y x y z", "x y y w", 0.0, 2 / 3),           # common x1+y2=3: P 3/5, R 3/4 → 2·(9/20)/(27/20) = 2/3
+    ("red red blue", "red blue blue", 0.0, 2 / 3),  # common 2: P 2/3, R 2/3 → 2/3
+]
+
+
+@pytest.mark.parametrize("prediction,gold,em,f1", CASES, ids=[f"{i}:{c[0]!r}" for i, c in enumerate(CASES)])
+def test_em_f1_cases(prediction, gold, em, f1):
+    assert exact_match(prediction, gold) == pytest.approx(em)
+    assert f1_score(prediction, gold) == pytest.approx(f1)
+    assert isinstance(exact_match(prediction, gold), float) and isinstance(f1_score(prediction, gold), float)
+
+
+def test_normalize_answer_order_and_examples():
+    assert normalize_answer("The  U.S.A.'s theater,\tAN apple!") == "usas theater apple"
+    assert normalize_answer("a-the") == "athe"           # punctuation first, so no article is left
+    assert normalize_answer("Café – Crème") == "café – crème"
+    assert normalize_answer("") == ""
+
+
+def test_aliases_accept_any_sequence_and_reject_empty():
+    assert exact_match("Obama", ("Barack Obama", "Obama")) == 1.0
+    for metric in (exact_match, f1_score):
+        with pytest.raises(ValueError):
+            metric("Paris", [])
+
+
+# --------------------------------------------------------------------------- score_predictions
+@dataclass
+class Ex:
+    id: str
+    answers: list
+    type: str
+
+
+EXAMPLES = [
+    Ex("e1", ["Paris"], "bridge"),
+    Ex("e2", ["New York City", "NYC"], "bridge"),
+    Ex("e3", ["yes"], "comparison"),
+    Ex("e4", ["1755"], "comparison"),
+    Ex("e5", ["Lyon"], "bridge"),
+]
+PREDICTIONS = {"e1": "paris", "e2": "New York", "e3": "no", "e4": "in 1755"}  # e5 missing
+# e1: EM 1, F1 1. e2: EM 0, F1 vs 'new york city' P 2/2 R 2/3 → 0.8 (vs 'nyc' 0).
+# e3: EM 0, F1 0 (yes/no). e4: EM 0, F1 P 1/2 R 1 → 2/3.
+
+
+def test_score_predictions_means_and_types():
+    r = score_predictions(PREDICTIONS, EXAMPLES)
+    assert r["n"] == 4 and r["missing"] == 1
+    assert r["coverage"] == "4 of 5 examples predicted"
+    assert r["em"] == pytest.approx(25.0)                             # 1/4
+    assert r["f1"] == pytest.approx(100 * (1 + 0.8 + 0 + 2 / 3) / 4)  # 61.666...
+    assert r["by_type"]["bridge"] == pytest.approx({"n": 2, "em": 50.0, "f1": 90.0})
+    assert r["by_type"]["comparison"] == pytest.approx({"n": 2, "em": 0.0, "f1": 100 / 3})
+    assert list(r["by_type"]) == ["bridge", "comparison"]
+    json.dumps(r)  # the CLI prints it
+
+
+def test_score_predictions_empty_and_unknown():
+    r = score_predictions({}, EXAMPLES)
+    assert (r["n"], r["missing"], r["em"], r["f1"], r["by_type"]) == (0, 5, 0.0, 0.0, {})
+    with pytest.raises(ValueError, match="zz"):
+        score_predictions({"e1": "Paris", "zz": "x"}, EXAMPLES)
+
+
+def test_format_table():
+    table = format_table([{"type": "all", "n": 3, "em": 33.3333, "f1": 50.0}, {"type": "a|b", "n": 1}],
+                         ["type", "n", "em", "f1"])
+    assert table.splitlines() == ["| type | n | em | f1 |", "|---|---|---|---|",
+                                  "| all | 3 | 33.33 | 50.00 |", "| a\\|b | 1 |  |  |"]
+
+
+# --------------------------------------------------------------------------- read_predictions
+def write(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+GOOD = '{"id": "a", "answer": "Paris"}'
+BAD_LINES = [  # (bad line, words the message must contain); the bad line is line 3
+    ("{not json", "not valid JSON"),
+    ('["a", "Paris"]', "expected a JSON object"),
+    ('"just a string"', "expected a JSON object"),
+    ('{"answer": "x"}', "missing field 'id'"),
+    ('{"id": "b"}', "missing field 'answer'"),
+    ('{"id": "b", "answer": 5}', "field 'answer' must be a string"),
+    ('{"id": "b", "answer": null}', "field 'answer' must be a string"),
+    ('{"id": 7, "answer": "x"}', "field 'id' must be a string"),
+    ('{"id": "a", "answer": "Lyon"}', "duplicate id 'a' (first on line 1)"),
+]
+
+
+@pytest.mark.parametrize("bad,words", BAD_LINES)
+def test_read_predictions_errors_name_file_and_line(tmp_path, bad, words):
+    path = write(tmp_path / "preds.jsonl", [GOOD, "", bad, GOOD])  # blank line 2 is skipped
+    with pytest.raises(PredictionError) as err:
+        read_predictions(str(path))
+    assert str(err.value).startswith(f"{path}:3: ")
+    assert words in str(err.value)
+
+
+def test_read_predictions_unknown_id(tmp_path):
+    path = write(tmp_path / "preds.jsonl", [GOOD, '{"id": "abc", "answer": "x"}'])
+    with pytest.raises(PredictionError) as err:
+        read_predictions(str(path), known_ids={"a"}, source="hotpotqa/dev")
+    assert str(err.value) == f"{path}:2: unknown id 'abc' (not in hotpotqa/dev)"
+
+
+def test_read_predictions_bad_bytes_and_missing_file(tmp_path):
+    path = tmp_path / "preds.jsonl"
+    path.write_bytes(GOOD.encode() + b'\n{"id": "b", "answer": "\xff"}\n')
+    with pytest.raises(PredictionError, match=r"preds\.jsonl:2: not UTF-8"):
+        read_predictions(str(path))
+    with pytest.raises(PredictionError, match=r"nope\.jsonl: cannot read"):
+        read_predictions(str(tmp_path / "nope.jsonl"))
+    assert issubclass(PredictionError, ValueError)
+
+
+def test_read_predictions_ok(tmp_path):
+    path = write(tmp_path / "preds.jsonl", [GOOD, "  ", '{"id": "b", "answer": "", "extra": 1}'])
+    assert read_predictions(str(path), known_ids={"a", "b"}) == {"a": "Paris", "b": ""}
+
+
+# --------------------------------------------------------------------------- CLI, fake env
+class FakeDataError(Exception):
+    pass
+
+
+@pytest.fixture
+def fake_env(monkeypatch):
+    def load_split(dataset, split, data_dir=None, size=None, seed=0):
+        if dataset != "fake":
+            raise FakeDataError(f"no data for {dataset!r}: expected {data_dir}/{dataset}/{split}.jsonl")
+        return EXAMPLES
+    module = types.SimpleNamespace(load_split=load_split, DataError=FakeDataError)
+    monkeypatch.setitem(sys.modules, "env", module)
+
+
+def run_main(argv):
+    try:
+        evaluate.main(argv)
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def test_main_with_fake_env(tmp_path, fake_env, capsys):
+    lines = [json.dumps({"id": k, "answer": v}) for k, v in PREDICTIONS.items()]
+    path = write(tmp_path / "preds.jsonl", lines)
+    assert run_main(["--predictions", str(path), "--dataset", "fake"]) == 0
+    out, err = capsys.readouterr()
+    table, _, js = out.partition("\n\n")
+    assert table.splitlines()[:3] == ["| type | n | em | f1 |", "|---|---|---|---|", "| all | 4 | 25.00 | 61.67 |"]
+    assert "| bridge | 2 | 50.00 | 90.00 |" in table and "| comparison | 2 | 0.00 | 33.33 |" in table
+    assert json.loads(js)["missing"] == 1
+    assert "1 of 5 examples" in err
+
+
+def test_main_errors_exit_2(tmp_path, fake_env, capsys):
+    path = write(tmp_path / "preds.jsonl", [json.dumps({"id": "e1", "answer": "x"}), '{"id": "abc", "answer": "x"}'])
+    assert run_main(["--predictions", str(path), "--dataset", "fake", "--split", "dev"]) == 2
+    assert capsys.readouterr().err == f"error: {path}:2: unknown id 'abc' (not in fake/dev)\n"
+    assert run_main(["--predictions", str(path), "--dataset", "other", "--data-dir", "d"]) == 2
+    assert capsys.readouterr().err.startswith("error: no data for 'other'")
+
+
+# --------------------------------------------------------------------------- CLI, real env.py
+needs_env = pytest.mark.skipif(not (ROOT / "env.py").exists(), reason="env.py not written yet")
+
+
+def hotpot_record(qid, question, answer, qtype):
+    return json.dumps({"_id": qid, "question": question, "answer": answer,
+                       "supporting_facts": [["Page " + qid, 0]],
+                       "context": [["Page " + qid, [f"{answer} is the answer to {qid}.", " Second sentence."]],
+                                   ["Other " + qid, ["Unrelated text."]]],
+                       "type": qtype, "level": "hard"})
+
+
+def run_cli(tmp_path, pred_lines):
+    data = tmp_path / "data"
+    (data / "hotpotqa").mkdir(parents=True)
+    write(data / "hotpotqa" / "dev.jsonl", [
+        hotpot_record("q1", "Where is the Louvre?", "Paris", "bridge"),
+        hotpot_record("q2", "Which city is bigger?", "New York City", "comparison"),
+        hotpot_record("q3", "Are both rivers in Europe?", "yes", "comparison"),
+    ])
+    preds = write(tmp_path / "preds.jsonl", pred_lines)
+    env = {k: v for k, v in os.environ.items() if k != "ARCO_DATA_DIR"}
+    return subprocess.run([sys.executable, "evaluate.py", "--predictions", str(preds), "--dataset", "hotpotqa",
+                           "--split", "dev", "--data-dir", str(data)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300), preds
+
+
+@needs_env
+def test_cli_real_env(tmp_path):
+    proc, _ = run_cli(tmp_path, ['{"id": "q1", "answer": "The Paris"}', '{"id": "q2", "answer": "New York"}',
+                                 '{"id": "q3", "answer": "no"}'])
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.partition("\n\n")[2])
+    # q1: EM 1, F1 1; q2: EM 0, F1 P 2/2 R 2/3 → 0.8; q3: EM 0, F1 0 (yes/no)
+    assert (result["n"], result["missing"]) == (3, 0)
+    assert result["em"] == pytest.approx(100 / 3) and result["f1"] == pytest.approx(60.0)
+    assert result["by_type"]["bridge"] == pytest.approx({"n": 1, "em": 100.0, "f1": 100.0})
+    assert result["by_type"]["comparison"] == pytest.approx({"n": 2, "em": 0.0, "f1": 40.0})
+
+
+@needs_env
+def test_cli_real_env_unknown_id(tmp_path):
+    proc, preds = run_cli(tmp_path, ['{"id": "q1", "answer": "Paris"}', "", '{"id": "abc", "answer": "x"}'])
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: {preds}:3: unknown id 'abc' (not in hotpotqa/dev)\n"
+    assert proc.stdout == ""
