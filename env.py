@@ -568,6 +568,7 @@ class Step:
     searches_left: int         # before this step
     forced_finish: bool        # the prompt was the finish-only one
     retrieved: int | None = None  # index of the retrieved paragraph
+    output_ids: list[int] | None = None  # the sampled token ids, when `act` returns them (the losses need them)
 
     def action_text(self) -> str:
         """a_t as history shows it: the canonical action, or the raw output of an invalid step."""
@@ -595,7 +596,8 @@ class Trajectory:
         return self.finished or len(self.steps) >= self.max_searches + 1  # horizon: budget + 1 steps
 
     def to_dict(self) -> dict:
-        steps = [{k: v for k, v in dataclasses.asdict(s).items() if k != "prompt"} for s in self.steps]
+        steps = [{k: v for k, v in dataclasses.asdict(s).items() if k not in ("prompt", "output_ids")}
+                 for s in self.steps]
         return {"id": self.example.id, "question": self.example.question, "gold": self.example.answers,
                 "answer": self.answer, "reward": self.reward, "finished": self.finished, "steps": steps}
 
@@ -618,11 +620,12 @@ def observation_text(paragraph: tuple[str, str], max_chars: int) -> str:
     return text[:max_chars].rsplit(" ", 1)[0] + " ..."
 
 
-def rollout(examples: Sequence[Example], act: Callable[[list[list[dict]]], list[str]], retriever,
+def rollout(examples: Sequence[Example], act: Callable[[list[list[dict]]], list], retriever,
             max_searches: int | None = None, obs_chars: int = 400, progress: bool = False) -> list[Trajectory]:
     """Run one trajectory per example, all environments in lockstep (Alg. 1, lines 7–14, 20–23).
 
-    Each round calls `act` once with the prompts of every still-active trajectory and retrieves
+    Each round calls `act` once with the prompts of every still-active trajectory (it returns one
+    text, or one object with .text and .token_ids, per prompt) and retrieves
     for all their searches in one batch. Rules: a Search spends one of `max_searches` searches and
     observes the top-1 paragraph; Finish ends the trajectory; an unparseable output, an empty
     argument, or a Search with no search left is an invalid step that still uses up the step. When
@@ -642,9 +645,11 @@ def rollout(examples: Sequence[Example], act: Callable[[list[list[dict]]], list[
             last = len(t.steps) == t.max_searches  # the horizon's final step
             forced.append(t.searches_left == 0 or last)
             prompts.append(policy_messages(t.example.question, format_history(t.steps), t.searches_left, forced[-1]))
-        outputs = act(prompts)
-        if len(outputs) != len(prompts):
-            raise ValueError(f"act returned {len(outputs)} outputs for {len(prompts)} prompts")
+        replies = act(prompts)
+        if len(replies) != len(prompts):
+            raise ValueError(f"act returned {len(replies)} outputs for {len(prompts)} prompts")
+        # act may return plain texts, or objects with .text and .token_ids (a model's generations)
+        outputs = [r if isinstance(r, str) else r.text for r in replies]
         actions = [parse_action(o) for o in outputs]
         for a, f in zip(actions, forced):
             if a.kind == "search" and f:
@@ -655,7 +660,7 @@ def rollout(examples: Sequence[Example], act: Callable[[list[list[dict]]], list[
         for i, (t, a, out) in enumerate(zip(active, actions, outputs)):
             step = Step(prompt=prompts[i], output=out, action=a.kind, argument=a.argument, observation="",
                         valid=a.kind != "invalid", reason=a.reason, searches_left=t.searches_left,
-                        forced_finish=forced[i])
+                        forced_finish=forced[i], output_ids=getattr(replies[i], "token_ids", None))
             if a.kind == "search":
                 step.retrieved = found[i]
                 step.observation = observation_text(t.example.paragraphs[found[i]], obs_chars)

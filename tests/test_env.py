@@ -333,6 +333,15 @@ def test_rollout_is_batched_in_lockstep():
     json.dumps(d)  # serializable for traces
 
 
+def test_act_may_return_generations_with_token_ids():
+    class Gen:
+        def __init__(self, text):
+            self.text, self.token_ids = text, [7, 8, 9]
+    [t] = env.rollout(toy(1), lambda prompts: [Gen("Finish[gold]") for _ in prompts], TitleRetriever())
+    assert t.steps[0].output == "Finish[gold]" and t.steps[0].output_ids == [7, 8, 9] and t.reward == 1.0
+    assert "output_ids" not in t.to_dict()["steps"][0]
+
+
 def test_act_must_answer_every_prompt():
     with pytest.raises(ValueError, match="1 outputs for 2 prompts"):
         env.rollout(toy(2), lambda prompts: ["Finish[x]"], TitleRetriever())
