@@ -1,0 +1,1184 @@
+"""Supervised warmup of ARCO: teacher trajectories, trajectory-level rubrics, score projection.
+
+Paper: §3.2 ("a closed-source LLM teacher collects trajectories and step rubrics ... π is SFT-
+initialized on the trajectories, μ by a text-LM loss on the criteria plus an MSE on projected
+criterion scores") and Appendix B (warmup details, Eq. 6 and Eq. 7).
+
+What lives here, top to bottom:
+  1. Eq. 6: `clip_and_fit` (teacher scores -> K numbers in [-1, 1]) and `project_scores` (one
+     shared shift, found by bisection, then clipping, so that the per-step means of a trajectory
+     sum to its reward R(τ); the teacher's order of scores is kept);
+  2. the oracle teacher (`--teacher oracle`, default: offline, free, deterministic): it acts from
+     the gold evidence (MuSiQue decomposition, 2Wiki evidence triples, synthetic hops, HotpotQA
+     supporting titles), plays gold and deliberately imperfect trajectories in the real
+     environment, and annotates every step with K criteria naming what the step targeted and K
+     scores from what actually happened;
+  3. the OpenAI-compatible teacher (`--teacher openai`): one model acts as the policy through
+     `env.rollout`, another annotates each whole trajectory (our own trajectory-level prompt that
+     states the decomposition constraint); robust parsing, retries with exponential backoff,
+     token and cost counters;
+  4. collection: k samples per question, one JSON record per (question, sample) appended and
+     fsync'ed to `runs/<dataset>/warmup/records.jsonl` as it finishes; a rerun resumes;
+  5. filtering (Eq. 6 within a tolerance; steps with empty criteria) and the two SFT datasets:
+     `policy_sft_examples` (π: the exact RL policy prompt -> the action string) and
+     `rubric_sft_examples` (μ: question, prefix h_t, action a_t, K criteria, K projected scores).
+
+The SFT training itself (π SFT; μ SFT with Eq. 7) builds on rubric_model.py.
+
+    python warmup.py --dataset synthetic --train-size 200        # oracle teacher, offline
+    python warmup.py --dataset hotpotqa --teacher openai         # needs OPENAI_API_KEY (and OPENAI_BASE_URL)
+    python warmup.py --check-gold --dataset all --split dev      # gold-evidence retrieval rates
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import env
+from evaluate import normalize_answer, parse_args
+
+
+@dataclass
+class Args:
+    dataset: str = field(default="hotpotqa", metadata={
+        "help": "hotpotqa, 2wiki, musique or synthetic (--check-gold also takes all)"})
+    data_dir: str = field(default="", metadata={
+        "help": "folder with <dataset>/<split>.jsonl; else $ARCO_DATA_DIR, else a download"})
+    split: str = field(default="train", metadata={
+        "help": "split the warmup questions come from (with --check-gold: the split measured)"})
+    train_size: int = field(default=2000, metadata={
+        "help": "number of questions, a deterministic sample (paper: 2,000; 0 = all)"})
+    seed: int = field(default=0, metadata={"help": "seed of the question sample and of the oracle's imperfect trajectories"})
+    samples: int = field(default=4, metadata={"help": "k, trajectories sampled per question (oracle: sample 0 is the gold one)"})
+    temperature: float = field(default=0.7, metadata={
+        "help": "sampling temperature of the API policy (default: the paper's rollout temperature)"})
+    teacher: str = field(default="oracle", metadata={
+        "help": "oracle (offline, from the gold evidence) or openai (any OpenAI-compatible endpoint)",
+        "choices": ["oracle", "openai"]})
+    teacher_policy_model: str = field(default="gpt-4o-mini", metadata={
+        "help": "API model that acts as the policy (paper: gpt-4o-mini)"})
+    teacher_rubric_model: str = field(default="gpt-4o-mini", metadata={
+        "help": "API model that annotates whole trajectories with criteria and scores"})
+    K: int = field(default=3, metadata={"help": "criteria (and scores) per step (paper: 3)"})
+    out_dir: str = field(default="", metadata={"help": "output folder; empty = runs/<dataset>/warmup"})
+    max_retries: int = field(default=5, metadata={
+        "help": "retries of an API call on HTTP 408/409/429/5xx, timeouts and connection errors"})
+    backoff: float = field(default=1.0, metadata={
+        "help": "seconds before the first retry, doubled at each further one (at most 60)"})
+    timeout: float = field(default=60.0, metadata={"help": "seconds before an API call is abandoned (and retried)"})
+    concurrency: int = field(default=8, metadata={"help": "questions in flight at once with the API teacher"})
+    policy_max_tokens: int = field(default=128, metadata={"help": "max new tokens of one API policy reply"})
+    rubric_max_tokens: int = field(default=2048, metadata={"help": "max new tokens of one trajectory annotation"})
+    price_input: float = field(default=0.15, metadata={
+        "help": "USD per 1M prompt tokens, for the cost counter (default: gpt-4o-mini's list price)"})
+    price_output: float = field(default=0.60, metadata={
+        "help": "USD per 1M completion tokens, for the cost counter (default: gpt-4o-mini's list price)"})
+    min_reward: float = field(default=1.0, metadata={"help": "π SFT uses trajectories with R >= this (paper: 1.0)"})
+    require_evidence: bool = field(default=True, metadata={
+        "help": "π SFT also requires every supporting paragraph to have been retrieved (no lucky guesses); "
+                "--no-require-evidence gives the paper's reward-only filter"})
+    tol: float = field(default=1e-6, metadata={"help": "tolerance of the decomposition constraint (Eq. 6) when filtering"})
+    retriever: str = field(default="", metadata={"help": "HF encoder id or path; empty = embedded all-MiniLM-L6-v2"})
+    retriever_pooling: str = field(default="mean", metadata={"help": "mean (MiniLM) or cls (SimCSE)"})
+    obs_chars: int = field(default=400, metadata={"help": "observation length in characters (as in env.rollout)"})
+    check_gold: bool = field(default=False, metadata={
+        "help": "only measure how often the oracle's gold trajectories retrieve every supporting paragraph"})
+    check_size: int = field(default=0, metadata={
+        "help": "questions measured by --check-gold (0 = the whole split; synthetic: 200)"})
+    progress: bool = field(default=True, metadata={"help": "show progress bars"})
+
+
+# ----------------------------------------------------------------------------------------
+# 1. Teacher scores and their projection (App. B, Eq. 6)
+# ----------------------------------------------------------------------------------------
+
+def _score(value) -> tuple[float, str]:
+    """One teacher score -> (number clipped to [-1, 1], what was wrong with it or "")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return 0.0, "non-numeric"
+    if isinstance(value, str):
+        try:
+            value = float(value.strip().rstrip(","))
+        except ValueError:
+            return 0.0, "non-numeric"
+    value = float(value)
+    if math.isnan(value):
+        return 0.0, "non-numeric"
+    if value < -1.0 or value > 1.0:
+        return min(1.0, max(-1.0, value)), "out of range"
+    return value, ""
+
+
+def fit_scores(raw, K: int) -> tuple[list[float], list[str]]:
+    """`clip_and_fit`, plus the list of problems found (for the annotation log)."""
+    values = list(raw) if isinstance(raw, (list, tuple)) else ([] if raw is None else [raw])
+    issues = []
+    if len(values) != K:
+        issues.append(f"{len(values)} scores for K={K}")
+    out = []
+    for v in values[:K]:
+        s, why = _score(v)
+        out.append(s)
+        if why:
+            issues.append(f"{why} score {v!r}")
+    return out + [0.0] * (K - len(out)), issues
+
+
+def clip_and_fit(raw, K: int) -> list[float]:
+    """Teacher scores (numbers or numeric strings) -> exactly K floats in [-1, 1] (App. B).
+
+    Clipped to [-1, 1]; cut to the first K; padded with 0.0 (the neutral score: "no opinion")
+    when fewer than K were given. A value that is not a number (a word, a bool, null, NaN) also
+    becomes 0.0. A single number stands for a list of one.
+    """
+    return fit_scores(raw, K)[0]
+
+
+def step_means_sum(scores: Sequence[Sequence[float]]) -> float:
+    """Σ_t (1/K) Σ_j s_{t,j}: the left-hand side of Eq. 6."""
+    return sum(sum(row) / len(row) for row in scores)
+
+
+def _shifted(scores: Sequence[Sequence[float]], c: float) -> list[list[float]]:
+    return [[min(1.0, max(-1.0, v + c)) for v in row] for row in scores]
+
+
+def project_scores(scores: Sequence[Sequence[float]], reward: float, tol: float = 1e-6) -> list[list[float]] | None:
+    """Eq. 6: scores ŝ in [-1, 1] with Σ_t mean_j ŝ_{t,j} = R(τ) (within `tol`), keeping the teacher's order.
+
+    `scores` is T rows of K teacher scores already in [-1, 1] (see `clip_and_fit`). The map is
+    ŝ = clip(s + c, -1, 1) with one shift c shared by every score of the trajectory, found by
+    bisection on c ∈ [-2, 2]: the left side of Eq. 6 is continuous and non-decreasing in c, -T at
+    c = -2 and T at c = 2. Being one monotone map, it never reverses two scores anywhere in the
+    trajectory (s_a <= s_b implies ŝ_a <= ŝ_b; clipping may tie them). When the constraint already
+    holds the input comes back unchanged.
+
+    Infeasible cases return None, and the caller counts them: no step (T = 0), no criterion
+    (K = 0), or |R| > T (no scores in [-1, 1] can reach R). Input that is ragged, not finite or
+    outside [-1, 1] is a programming error: ValueError.
+    """
+    rows = [[float(v) for v in row] for row in scores]
+    if not rows or not rows[0]:
+        return None
+    K = len(rows[0])
+    for t, row in enumerate(rows):
+        if len(row) != K:
+            raise ValueError(f"project_scores: step {t + 1} has {len(row)} scores, step 1 has {K}")
+        if any(not (-1.0 <= v <= 1.0) for v in row):  # also catches NaN
+            raise ValueError(f"project_scores: step {t + 1} has a score outside [-1, 1]: {row} (use clip_and_fit)")
+    if abs(step_means_sum(rows) - reward) <= tol:
+        return rows
+    if not abs(reward) <= len(rows):
+        return None
+    lo, hi = -2.0, 2.0  # f(lo) = -T <= R <= T = f(hi)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if mid in (lo, hi):
+            break
+        if step_means_sum(_shifted(rows, mid)) < reward:
+            lo = mid
+        else:
+            hi = mid
+    out = min((_shifted(rows, c) for c in (lo, hi)), key=lambda s: abs(step_means_sum(s) - reward))
+    return out if abs(step_means_sum(out) - reward) <= tol else None
+
+
+# ----------------------------------------------------------------------------------------
+# 2. The oracle teacher: gold-evidence trajectories, imperfect ones, rule-based rubrics
+# ----------------------------------------------------------------------------------------
+
+class TeacherError(Exception):
+    """A teacher call that failed for good (after retries) or an annotation that cannot be parsed."""
+
+
+def _bare(title: str) -> str:
+    """A title without its disambiguation: "Black Book (film)" -> "Black Book"."""
+    return re.sub(r"\s*\(.*\)\s*$", "", title).strip() or title
+
+
+def _argument(kind: str, text: str) -> str:
+    """What env.parse_action will read out of `Kind[text]` (brackets inside would end it early)."""
+    text = text.replace("[", "(").replace("]", ")")
+    return env.parse_action(f"{kind}[{text}]").argument
+
+
+@dataclass
+class Target:
+    """One piece of gold evidence the oracle looks up: a supporting paragraph and what it holds."""
+    paragraph: int
+    entity: str           # the entity being looked up ("" when unknown)
+    relation: str         # the relation asked about ("" when unknown)
+    queries: list[str]    # natural candidate queries, preferred first
+    answer: str = ""      # the hop's answer when the dataset gives one
+    query: str = ""       # the candidate chosen (the first one that retrieves this paragraph)
+    hit: bool = False     # whether `query` retrieves this paragraph
+
+    def what(self) -> str:
+        if self.entity and self.relation:
+            return f"{self.entity} ({self.relation})"
+        return self.entity or f'"{self.queries[0]}"'
+
+
+def _hop_entity_relation(query: str, title: str, previous: Sequence[str]) -> tuple[str, str]:
+    """Split a hop query into (entity, relation) where the layout allows it."""
+    if ">>" in query:  # MuSiQue: "Tenement >> location of formation"
+        left, right = query.split(">>", 1)
+        return left.strip(), right.strip()
+    for name in [_bare(title), title]:  # 2Wiki / synthetic: "<subject> <relation>"
+        if query.lower().startswith(name.lower() + " "):
+            return name, query[len(name):].strip()
+    for prev in previous:  # a later MuSiQue hop names the previous hop's answer
+        if prev and prev.lower() in query.lower():
+            return prev, ""
+    if _bare(title).lower() in query.lower():
+        return _bare(title), ""
+    return "", ""
+
+
+def gold_targets(ex: env.Example) -> list[Target]:
+    """The supporting paragraphs in the order a careful agent would look them up, with queries.
+
+    Where the dataset gives hops (MuSiQue decomposition with earlier answers filled in, 2Wiki
+    evidence triples, synthetic worlds) they fix the order and the query; a paragraph that serves
+    several hops (2Wiki "date of birth" and "date of death" of one person) is looked up once.
+    HotpotQA gives only supporting titles: a paragraph whose title the question names comes first
+    (the bridge entity's paragraph then names the second title). Candidate queries are the hop's
+    own query, then the paragraph's title, then the title with the relation or with the question's
+    words that its paragraph contains, then (first target only) the question itself: all words
+    an agent could know at that point.
+    """
+    def words(text: str) -> set[str]:
+        return {w for w in re.findall(r"[a-z0-9]+", text.lower()) if len(w) > 2}
+
+    qwords = [w for w in re.findall(r"[A-Za-z0-9']+", ex.question) if len(w) > 3]
+
+    def with_question_words(i: int) -> list[str]:  # the title plus question words its paragraph shares
+        title, text = ex.paragraphs[i]
+        shared = [w for w in qwords if w.lower() in text.lower() and w.lower() not in title.lower()][:3]
+        return [f"{_bare(title)} {' '.join(shared)}"] if shared else []
+
+    # Each hop's paragraph; a hop whose evidence subject matched no supporting title (2Wiki names
+    # people differently in evidences and titles) goes to the unclaimed supporting paragraph whose
+    # title shares most words with its query, so the order of the hops is kept.
+    claimed = {h.get("paragraph") for h in ex.hops} & set(ex.supporting)
+    hop_paragraphs = []
+    for hop in ex.hops:
+        p = hop.get("paragraph")
+        if p not in ex.supporting:
+            free = [i for i in ex.supporting if i not in claimed]
+            overlap = {i: len(words(ex.paragraphs[i][0]) & words(str(hop["query"]))) for i in free}
+            p = max(free, key=lambda i: overlap[i]) if free and max(overlap.values()) > 0 else None
+            if p is not None:
+                claimed.add(p)
+        hop_paragraphs.append(p)
+    targets: dict[int, Target] = {}
+    answers: list[str] = []
+    for hop, p in zip(ex.hops, hop_paragraphs):
+        if p is None:
+            answers.append(str(hop.get("answer", "")))
+            continue
+        q = " ".join(str(hop["query"]).replace(">>", " ").split())
+        title = ex.paragraphs[p][0]
+        entity, relation = _hop_entity_relation(str(hop["query"]), title, answers)
+        if p in targets:  # one more relation of an entity already targeted
+            if relation and relation not in targets[p].relation:
+                targets[p].relation = f"{targets[p].relation} and {relation}" if targets[p].relation else relation
+        else:
+            queries = [q, title] + ([f"{_bare(title)} {relation}"] if relation else []) + with_question_words(p)
+            targets[p] = Target(p, entity or "", relation, queries, answer=str(hop.get("answer", "")))
+        answers.append(str(hop.get("answer", "")))
+    question = ex.question.lower()
+    rest = [i for i in ex.supporting if i not in targets]
+    if not ex.hops:  # HotpotQA: titles the question names first, else supporting_facts order
+        rest.sort(key=lambda i: _bare(ex.paragraphs[i][0]).lower() not in question)
+    for i in rest:
+        title = ex.paragraphs[i][0]
+        targets[i] = Target(i, _bare(title), "", [title] + with_question_words(i) + [_bare(title)])
+    out = list(targets.values())
+    if out:
+        out[0].queries.append(ex.question)
+    for t in out:  # queries exactly as the environment will read them, without repeats
+        t.queries = list(dict.fromkeys(a for a in (_argument("search", q) for q in t.queries) if a))
+    return out
+
+
+def choose_queries(examples: Sequence[env.Example], retriever) -> list[list[Target]]:
+    """Gold targets of each example, each with the first candidate query that retrieves it.
+
+    The oracle tries its natural candidates against the real retriever (batched, one round per
+    candidate rank) and keeps the first that brings back the target paragraph; if none does it
+    keeps the first candidate, and the trajectory will honestly miss that evidence.
+    """
+    plans = [gold_targets(ex) for ex in examples]
+    todo = [(e, t) for e, plan in enumerate(plans) for t in plan]
+    rank = 0
+    while todo:
+        batch = [(e, t) for e, t in todo if rank < len(t.queries)]
+        if not batch:
+            break
+        got = retriever.retrieve([examples[e] for e, _ in batch], [t.queries[rank] for _, t in batch])
+        for (e, t), g in zip(batch, got):
+            if g == t.paragraph:
+                t.query, t.hit = t.queries[rank], True
+        todo = [(e, t) for e, t in batch if not t.hit]
+        rank += 1
+    for plan in plans:
+        for t in plan:
+            t.query = t.query or t.queries[0]
+    return plans
+
+
+VARIANTS = ("wrong_answer", "premature", "wrong_entity", "redundant")
+
+
+def _wrong_answer(ex: env.Example, rng: random.Random, targets: Sequence[Target]) -> str:
+    """A plausible wrong answer: the opposite of yes/no, else an intermediate or compared entity, else a distractor."""
+    gold = normalize_answer(ex.answer)
+    if gold in ("yes", "no"):
+        return "no" if gold == "yes" else "yes"
+    near = [t.answer for t in targets if t.answer] + [_bare(ex.paragraphs[i][0]) for i in ex.supporting]
+    far = [_bare(t) for i, (t, _) in enumerate(ex.paragraphs) if i not in ex.supporting]
+    rng.shuffle(far)
+    for cand in near + far + ["unknown"]:
+        cand = _argument("finish", cand)
+        if cand and not env.answer_reward(cand, ex.answers):
+            return cand
+    return "none of these"
+
+
+@dataclass
+class Intent:
+    """What a scripted step was meant to do (the oracle's rubrics are written from it)."""
+    kind: str                    # gold / wrong_entity / redundant / finish
+    target: Target | None = None
+    hop: int = 0                 # position of the target among the gold targets (1-based)
+
+
+def oracle_script(ex: env.Example, sample: int, plan: list[Target], budget: int,
+                  seed: int) -> tuple[str, list[tuple[str, Intent]]]:
+    """(variant, [(action text, intent)]) of one oracle trajectory.
+
+    Sample 0 is gold: every gold target the budget allows, then Finish[gold answer]. Later samples
+    rotate through the imperfect variants from a seeded offset per question: a wrong-entity search
+    (a distractor paragraph's title) or a redundant one (a query repeated) slipped in among the gold
+    searches — still R = 1 when the budget leaves room for all the evidence, otherwise finished with a
+    wrong guess; a premature finish (fewer hops, a guessed answer: an intermediate entity); a wrong
+    answer after all the gold searches.
+    """
+    gold = [(f"Search[{t.query}]", Intent("gold", t, i + 1)) for i, t in enumerate(plan)]
+    if sample == 0:
+        variant = "gold"
+    else:
+        offset = random.Random(f"{seed}-{ex.dataset}-{ex.id}").randrange(len(VARIANTS))
+        variant = VARIANTS[(offset + sample - 1) % len(VARIANTS)]
+    rng = random.Random(f"{seed}-{ex.dataset}-{ex.id}-{sample}")
+    searches = gold
+    if variant == "wrong_entity":
+        others = [i for i in range(len(ex.paragraphs)) if i not in ex.supporting]
+        if others:
+            d = rng.choice(others)
+            title = ex.paragraphs[d][0]
+            wrong = Target(d, _bare(title), "", [title], query=_argument("search", title))
+            at = rng.randrange(min(len(gold), budget) + 1)
+            searches = gold[:at] + [(f"Search[{wrong.query}]", Intent("wrong_entity", wrong))] + gold[at:]
+    elif variant == "redundant":
+        at = rng.randrange(max(1, min(len(gold), budget)))
+        again = (gold[at][0], Intent("redundant", gold[at][1].target, gold[at][1].hop))
+        searches = gold[:at + 1] + [again] + gold[at + 1:]
+    elif variant == "premature":
+        searches = gold[:rng.randrange(len(gold))] if gold else []
+    searches = searches[:budget]
+    covered = {i.target.paragraph for _, i in searches if i.kind == "gold"}
+    right = variant != "wrong_answer" and variant != "premature" and covered >= {t.paragraph for t in plan}
+    if variant == "gold":
+        answer = ex.answer  # even when the budget is short of the evidence: then evidence_found is False
+    elif right:
+        answer = ex.answer
+    elif variant == "premature":
+        found = [i.target.answer for _, i in searches if i.target and i.target.answer]
+        answer = _argument("finish", found[-1]) if found and not env.answer_reward(found[-1], ex.answers) \
+            else _wrong_answer(ex, rng, plan)
+    else:
+        answer = _wrong_answer(ex, rng, plan)
+    return variant, searches + [(f"Finish[{_argument('finish', answer)}]", Intent("finish"))]
+
+
+class ScriptedPolicy:
+    """`act` for env.rollout that replays one script per trajectory.
+
+    env.rollout asks, each round, for the still-active trajectories in their original order; this
+    class keeps the same bookkeeping (a trajectory ends at Finish or after budget + 1 steps) and
+    checks that every prompt is for the question it expects.
+    """
+
+    def __init__(self, questions: Sequence[str], scripts: Sequence[Sequence[str]], horizons: Sequence[int]):
+        self.questions, self.scripts, self.horizons = list(questions), list(scripts), list(horizons)
+        self.active = list(range(len(scripts)))
+        self.steps = [0] * len(scripts)
+
+    def __call__(self, prompts: list[list[dict]]) -> list[str]:
+        if len(prompts) != len(self.active):
+            raise RuntimeError(f"scripted policy: {len(prompts)} prompts for {len(self.active)} active trajectories")
+        outputs = []
+        for i, p in zip(self.active, prompts):
+            if not p[-1]["content"].startswith(f"Question: {self.questions[i]}\n"):
+                raise RuntimeError(f"scripted policy: prompt out of order (expected question {self.questions[i]!r})")
+            s = self.scripts[i]
+            outputs.append(s[self.steps[i]] if self.steps[i] < len(s) else s[-1])
+        still = []
+        for i, out in zip(self.active, outputs):
+            self.steps[i] += 1
+            if env.parse_action(out).kind != "finish" and self.steps[i] < self.horizons[i]:
+                still.append(i)
+        self.active = still
+        return outputs
+
+
+def evidence_found(traj: env.Trajectory) -> bool:
+    """Did the trajectory's searches retrieve every supporting paragraph?"""
+    seen = {s.retrieved for s in traj.steps if s.action == "search" and s.valid}
+    return set(traj.example.supporting) <= seen
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "es" if word.endswith("h") else "s")
+
+
+def _cycle(items: Sequence, K: int) -> list:
+    return [items[j % len(items)] for j in range(K)]
+
+
+def oracle_rubric(traj: env.Trajectory, intents: Sequence[Intent], n_targets: int,
+                  K: int) -> tuple[list[list[str]], list[list[float]]]:
+    """K criteria and K scores per step, written from what each step targeted and scored on what happened.
+
+    Search criteria name the entity / relation looked up (Appendix D: criteria should say what
+    distinguishes this search from its neighbours): is it evidence the question needs, did the
+    search bring back a supporting paragraph, is it new (not a repeated query or paragraph). Finish
+    criteria say the step is judged as a final answer: is it right, is it supported by the evidence
+    retrieved, was it time to stop. With K beyond the five templates per kind they repeat.
+    """
+    ex = traj.example
+    supporting = set(ex.supporting)
+    seen: set[int] = set()
+    queries: set[str] = set()
+    criteria, scores = [], []
+    for step, intent in zip(traj.steps, intents):
+        if step.action == "search" and step.valid:
+            t = intent.target
+            what = t.what() if t else f'"{step.argument}"'
+            where = f" (hop {intent.hop} of {n_targets})" if intent.kind != "wrong_entity" and intent.hop else ""
+            new_q = normalize_answer(step.argument) not in queries
+            new_p = step.retrieved not in seen
+            hit = step.retrieved in supporting
+            relevant = t is not None and t.paragraph in supporting
+            c = [f"Search[{step.argument}] looks up {what}, evidence the question needs{where}",
+                 f"The search for {what} brings back a paragraph that supports the answer",
+                 f"{t.entity or step.argument} has not been searched or retrieved earlier in the trajectory" if t
+                 else "The query has not been searched before",
+                 "The query is short and names one entity or relation",
+                 f"Spending a search here ({_plural(step.searches_left, 'search')} left) gains evidence still missing"]
+            s = [1.0 if relevant else -1.0,
+                 (1.0 if new_p else 0.0) if hit else -1.0,
+                 1.0 if new_q and new_p else -1.0,
+                 1.0 if len(step.argument.split()) <= 12 else 0.0,
+                 1.0 if hit and new_p else -1.0]
+            queries.add(normalize_answer(step.argument))
+            seen.add(step.retrieved)
+        elif step.action == "finish":
+            right = env.answer_reward(step.argument, ex.answers) == 1.0
+            have = len(seen & supporting)
+            complete = have == len(supporting)
+            titles = ", ".join(_bare(ex.paragraphs[i][0]) for i in sorted(seen & supporting)) or "nothing relevant"
+            c = [f"Judged as a final answer: Finish[{step.argument}] gives what the question asks for",
+                 f"The answer \"{step.argument}\" is supported by the evidence retrieved (on {titles})",
+                 f"Finishing now rather than searching again is justified: {have} of {len(supporting)} supporting "
+                 f"paragraphs found, {_plural(step.searches_left, 'search')} left",
+                 "The final answer is short and well-formed (a name, date, number or yes/no)",
+                 f"The submitted answer \"{step.argument}\" agrees with the facts found"]
+            s = [1.0 if right else -1.0,
+                 (1.0 if complete else 0.0) if right else -1.0,
+                 1.0 if complete else (0.0 if step.searches_left == 0 else -1.0),
+                 1.0 if len(step.argument.split()) <= 8 else 0.0,
+                 1.0 if right and complete else (0.0 if right else -1.0)]
+        else:  # the oracle never writes one; kept so any trajectory can be annotated
+            c = ["The output is one well-formed Search[query] or Finish[answer] action",
+                 f"The step makes progress on the question ({step.reason})"]
+            s = [-1.0, -1.0]
+        criteria.append(_cycle(c, K))
+        scores.append(_cycle(s, K))
+    return criteria, scores
+
+
+class OracleTeacher:
+    """Offline teacher from the gold evidence; deterministic from `seed` (see `oracle_script`).
+
+    A question whose evidence needs more searches than the budget (2Wiki bridge_comparison: four
+    supporting paragraphs, three searches) gets a gold trajectory that searches the first `budget`
+    targets in hop order and still submits the gold answer: `evidence_found` is False, so it
+    trains μ (its Finish is scored as not fully supported) but is never a π SFT example.
+    """
+    name = "oracle"
+    group_size = 64   # questions per batched rollout
+    workers = 1
+
+    def __init__(self, seed: int = 0, obs_chars: int = 400):
+        self.seed, self.obs_chars = seed, obs_chars
+
+    def usage(self) -> dict:
+        return {}
+
+    def rollout(self, pairs: Sequence[tuple[env.Example, int]], retriever) -> tuple[list[env.Trajectory], list[dict]]:
+        unique = list({(ex.dataset, ex.id): ex for ex, _ in pairs}.values())
+        plans = dict(zip([(ex.dataset, ex.id) for ex in unique], choose_queries(unique, retriever)))
+        scripts, metas, horizons = [], [], []
+        for ex, sample in pairs:
+            budget = env.DEFAULT_MAX_SEARCHES.get(ex.dataset, 3)
+            plan = plans[(ex.dataset, ex.id)]
+            variant, steps = oracle_script(ex, sample, plan, budget, self.seed)
+            scripts.append([a for a, _ in steps])
+            horizons.append(budget + 1)
+            metas.append({"variant": variant, "imperfect": variant != "gold", "intents": [i for _, i in steps],
+                          "n_targets": len(plan), "evidence_fits_budget": len(plan) <= budget})
+        act = ScriptedPolicy([ex.question for ex, _ in pairs], scripts, horizons)
+        trajs = env.rollout([ex for ex, _ in pairs], act, retriever, obs_chars=self.obs_chars)
+        return trajs, metas
+
+    def annotate(self, traj: env.Trajectory, meta: dict, K: int) -> tuple[list[list[str]], list, list[str]]:
+        criteria, scores = oracle_rubric(traj, meta["intents"], meta["n_targets"], K)
+        return criteria, scores, []
+
+
+def gold_evidence_rate(examples: Sequence[env.Example], retriever, obs_chars: int = 400) -> dict:
+    """Play the oracle's gold trajectory on every example and measure the evidence it retrieved.
+
+    `all_evidence`: share of questions whose searches retrieved every supporting paragraph;
+    `fits_budget`: questions with no more supporting paragraphs than searches (2Wiki
+    bridge_comparison needs 4 with a budget of 3) and the share of those with all evidence.
+    """
+    teacher = OracleTeacher(obs_chars=obs_chars)
+    trajs, metas = teacher.rollout([(ex, 0) for ex in examples], retriever)
+    found = [evidence_found(t) for t in trajs]
+    fits = [m["evidence_fits_budget"] for m in metas]
+    n, nf = len(trajs), sum(fits)
+    by_type = {}
+    for ty in sorted({t.example.type for t in trajs}):
+        idx = [i for i, t in enumerate(trajs) if t.example.type == ty]
+        by_type[ty] = {"n": len(idx), "all_evidence": sum(found[i] for i in idx) / len(idx)}
+    return {"questions": n, "all_evidence": sum(found) / max(n, 1), "reward": sum(t.reward for t in trajs) / max(n, 1),
+            "fits_budget": nf, "all_evidence_when_fits": sum(f for f, ok in zip(found, fits) if ok) / max(nf, 1),
+            "by_type": by_type}
+
+
+# ----------------------------------------------------------------------------------------
+# 3. The OpenAI-compatible teacher (policy through env.rollout; trajectory-level rubric)
+# ----------------------------------------------------------------------------------------
+
+ANNOTATION_SYSTEM_PROMPT = (
+    "You grade the individual steps of a search agent. For each step you write a short checklist of "
+    "criteria that are specific to that step, and you score the step against each criterion. "
+    "You reply with JSON only.")
+
+TRAJECTORY_RUBRIC_PROMPT = (
+    "An agent answered a question that needs several facts. It could not see the documents; each turn "
+    "it chose one action:\n"
+    "Search[query] returns the single paragraph that best matches the query ({budget} searches in all), and\n"
+    "Finish[answer] submits an answer and ends the episode.\n\n"
+    "Question: {question}\n"
+    "Correct answer: {gold}\n"
+    "Agent's final answer: {answer}\n"
+    "Outcome R = {reward} (1 if the final answer matches the correct answer exactly, else 0)\n\n"
+    "The agent's steps:\n{steps}\n\n"
+    "For each of the {T} steps write exactly {K} criteria and {K} scores.\n"
+    "- A criterion is one short sentence that checks one aspect of that particular action. Name the "
+    "entity, the relation or the missing piece of evidence the step is after, so that the criterion could "
+    "not be mistaken for one written about another step. For a Finish step, say that it is judged as a "
+    "final answer and whether the evidence gathered so far supports it.\n"
+    "- A score is a number from -1 (the action clearly fails the criterion) to 1 (it clearly meets it).\n"
+    "- The credit has to add up to the outcome: take the mean of each step's {K} scores; the {T} means "
+    "must sum to R = {reward}. Give more credit to steps that moved the agent toward the outcome, and "
+    "less or negative credit to wasted, repeated or misleading steps.\n\n"
+    "Reply with a single JSON object and nothing else, one entry per step in order:\n"
+    '{{"steps": [{{"step": 1, "criteria": ["...", ...], "scores": [0.5, ...]}}, ...]}}')
+
+
+def trajectory_text(traj: env.Trajectory) -> str:
+    lines = []
+    for i, s in enumerate(traj.steps, 1):
+        lines.append(f"Step {i} (searches left: {s.searches_left}): {s.action_text() or '(no action)'}")
+        lines.append(f"Result: {s.observation}")
+    return "\n".join(lines)
+
+
+def annotation_messages(traj: env.Trajectory, K: int) -> list[dict]:
+    """The trajectory-level annotation request (our wording; App. B / App. E describe its role)."""
+    user = TRAJECTORY_RUBRIC_PROMPT.format(
+        budget=traj.max_searches, question=traj.example.question, gold=" / ".join(traj.example.answers),
+        answer=traj.answer or "(none: the agent never finished)", reward=f"{traj.reward:g}",
+        steps=trajectory_text(traj), T=len(traj.steps), K=K)
+    return [{"role": "system", "content": ANNOTATION_SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+
+def _json_objects(text: str) -> Iterable:
+    """Every JSON value we can read out of a model's reply, most likely first."""
+    text = text or ""
+    chunks = re.findall(r"```(?:json)?\s*(.*?)```", text, flags=re.DOTALL) + [text]
+    for chunk in chunks:
+        for start, end in (("{", "}"), ("[", "]")):
+            a, b = chunk.find(start), chunk.rfind(end)
+            if a < 0 or b <= a:
+                continue
+            body = chunk[a:b + 1]
+            for candidate in (body, re.sub(r",\s*([}\]])", r"\1", body)):  # trailing commas
+                try:
+                    yield json.loads(candidate)
+                    break
+                except json.JSONDecodeError:
+                    pass
+
+
+def _step_entries(obj) -> list | None:
+    if isinstance(obj, list):
+        return obj
+    if isinstance(obj, dict):
+        for key in ("steps", "annotations", "rubrics", "trajectory"):
+            if isinstance(obj.get(key), list):
+                return obj[key]
+        lists = [v for v in obj.values() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)]
+        if lists:
+            return lists[0]
+        numbered = [(int(m.group()), v) for k, v in obj.items() if isinstance(v, dict) and (m := re.search(r"\d+", k))]
+        if numbered:
+            return [dict(v, step=n) for n, v in sorted(numbered, key=lambda x: x[0])]
+    return None
+
+
+def _criterion_text(c) -> str:
+    if isinstance(c, dict):
+        for key in ("criterion", "text", "description", "name", "check"):
+            if isinstance(c.get(key), str):
+                return c[key].strip()
+        return ""
+    return c.strip() if isinstance(c, str) else ""
+
+
+def parse_annotation(text: str, T: int, K: int) -> tuple[list[list[str]], list[list[float]], list[str]]:
+    """A trajectory annotation -> (criteria T×K, scores T×K in [-1, 1], issues found).
+
+    Copes with code fences and prose around the JSON, trailing commas, a bare list of steps,
+    criteria given as objects with their own "score", 0-based step numbers, numeric strings.
+    A missing step gets no criteria (its steps are dropped from μ SFT) and neutral 0.0 scores;
+    criteria are cut to K (fewer than K leaves empty ones); scores go through `fit_scores`
+    (clipped, cut or padded with 0.0). Raises TeacherError when no list of steps can be read.
+    """
+    entries = next((e for obj in _json_objects(text) if (e := _step_entries(obj)) is not None), None)
+    if entries is None:
+        raise TeacherError("annotation is not JSON with a list of steps")
+    numbers = []
+    for pos, e in enumerate(entries):
+        n = e.get("step") if isinstance(e, dict) else None
+        try:
+            n = int(str(n).strip().split()[-1])
+        except (TypeError, ValueError, IndexError):
+            n = pos + 1
+        numbers.append(n)
+    if numbers and min(numbers) == 0:
+        numbers = [n + 1 for n in numbers]
+    by_step: dict[int, dict] = {}
+    issues = []
+    for n, e in zip(numbers, entries):
+        if not isinstance(e, dict) or not 1 <= n <= T or n in by_step:
+            issues.append(f"ignored entry for step {n}")
+            continue
+        by_step[n] = e
+    criteria, scores = [], []
+    for t in range(1, T + 1):
+        e = by_step.get(t)
+        if e is None:
+            issues.append(f"step {t} missing")
+            criteria.append([""] * K)
+            scores.append([0.0] * K)
+            continue
+        raw_c = e.get("criteria") or e.get("rubric") or e.get("checklist") or []
+        raw_c = raw_c if isinstance(raw_c, list) else [raw_c]
+        crit = [_criterion_text(c) for c in raw_c][:K]
+        if len(crit) != K or not all(crit):
+            issues.append(f"step {t}: {sum(bool(c) for c in crit)} criteria for K={K}")
+        raw_s = e.get("scores")
+        if raw_s is None and raw_c and all(isinstance(c, dict) and "score" in c for c in raw_c):
+            raw_s = [c["score"] for c in raw_c]
+        s, why = fit_scores(raw_s, K)
+        issues += [f"step {t}: {w}" for w in why]
+        criteria.append(crit + [""] * (K - len(crit)))
+        scores.append(s)
+    return criteria, scores, issues
+
+
+def _secret() -> str:
+    return os.environ.get("OPENAI_API_KEY", "")
+
+
+def scrub(text: str) -> str:
+    """Remove the API key from any text about to be written (error messages may echo it)."""
+    key = _secret()
+    return text.replace(key, "[redacted]") if len(key) >= 4 else text
+
+
+class OpenAITeacher:
+    """Policy and rubric annotator served by any OpenAI-compatible endpoint.
+
+    The key and the endpoint come from the environment only (OPENAI_API_KEY, OPENAI_BASE_URL),
+    as the `openai` package reads them; they are never stored. Calls are retried on HTTP 408/409/
+    429/5xx, timeouts and connection errors with exponential backoff (backoff · 2^attempt, capped at
+    60 s); other HTTP errors, and errors that outlast the retries, fail the question (recorded,
+    skipped, never fatal). An annotation that cannot be parsed is asked for once more.
+    """
+    name = "openai"
+    group_size = 1   # one question (its k samples) per job: a failure skips just that question
+
+    def __init__(self, policy_model: str = "gpt-4o-mini", rubric_model: str = "gpt-4o-mini", temperature: float = 0.7,
+                 max_retries: int = 5, backoff: float = 1.0, timeout: float = 60.0, concurrency: int = 8,
+                 policy_max_tokens: int = 128, rubric_max_tokens: int = 2048, price_input: float = 0.15,
+                 price_output: float = 0.60, obs_chars: int = 400, format_retries: int = 1, client=None):
+        import openai
+        self.openai = openai
+        try:
+            self.client = client or openai.OpenAI(timeout=timeout, max_retries=0)
+        except openai.OpenAIError as e:
+            raise TeacherError(f"cannot start the API client: {scrub(str(e))} (set OPENAI_API_KEY, and OPENAI_BASE_URL "
+                               f"for a server other than OpenAI's)") from None
+        self.policy_model, self.rubric_model, self.temperature = policy_model, rubric_model, temperature
+        self.max_retries, self.backoff, self.workers = max_retries, backoff, max(1, concurrency)
+        self.policy_max_tokens, self.rubric_max_tokens = policy_max_tokens, rubric_max_tokens
+        # USD per 1M tokens. Defaults: OpenAI's published list price of gpt-4o-mini ($0.15 input,
+        # $0.60 output per 1M tokens, openai.com/api/pricing, 2024-07); set --price-* for other models.
+        self.price_input, self.price_output = price_input, price_output
+        self.obs_chars, self.format_retries = obs_chars, format_retries
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.counters = Counter()
+
+    def usage(self) -> dict:
+        c = self.counters
+        cost = (c["prompt_tokens"] * self.price_input + c["completion_tokens"] * self.price_output) / 1e6
+        return {"calls": c["calls"], "retries": c["retries"], "failed_calls": c["failed_calls"],
+                "prompt_tokens": c["prompt_tokens"], "completion_tokens": c["completion_tokens"],
+                "cost_usd": round(cost, 6)}
+
+    def _retryable(self, e: Exception) -> bool:
+        o = self.openai
+        if isinstance(e, (o.APITimeoutError, o.APIConnectionError)):
+            return True
+        return isinstance(e, o.APIStatusError) and (e.status_code in (408, 409, 429) or e.status_code >= 500)
+
+    def chat(self, model: str, messages: list[dict], temperature: float, max_tokens: int) -> str:
+        """One chat completion, with retries; TeacherError when it fails for good."""
+        for attempt in range(self.max_retries + 1):
+            if self.stop.is_set():
+                raise KeyboardInterrupt
+            try:
+                with self.lock:
+                    self.counters["calls"] += 1
+                r = self.client.chat.completions.create(model=model, messages=messages, temperature=temperature,
+                                                        max_tokens=max_tokens)
+            except self.openai.OpenAIError as e:
+                status = getattr(e, "status_code", None)
+                why = f"{type(e).__name__}{f' {status}' if status else ''}: {scrub(str(e))[:300]}"
+                if not self._retryable(e) or attempt == self.max_retries:
+                    with self.lock:
+                        self.counters["failed_calls"] += 1
+                    raise TeacherError(why) from None
+                with self.lock:
+                    self.counters["retries"] += 1
+                time.sleep(min(self.backoff * 2 ** attempt, 60.0))
+                continue
+            if r.usage is not None:
+                with self.lock:
+                    self.counters["prompt_tokens"] += r.usage.prompt_tokens or 0
+                    self.counters["completion_tokens"] += r.usage.completion_tokens or 0
+            return (r.choices[0].message.content or "") if r.choices else ""
+        raise TeacherError("no attempt made")  # max_retries < 0
+
+    def rollout(self, pairs: Sequence[tuple[env.Example, int]], retriever) -> tuple[list[env.Trajectory], list[dict]]:
+        """The API model plays the k samples of a question in the real environment."""
+        failed: list[TeacherError] = []
+
+        def act(prompts: list[list[dict]]) -> list[str]:
+            outputs = []
+            for p in prompts:
+                if failed:
+                    break
+                try:
+                    outputs.append(self.chat(self.policy_model, p, self.temperature, self.policy_max_tokens))
+                except TeacherError as e:
+                    failed.append(e)
+            return outputs if not failed else ["Finish[teacher error]"] * len(prompts)  # end the episode at once
+
+        trajs = env.rollout([ex for ex, _ in pairs], act, retriever, obs_chars=self.obs_chars)
+        if failed:
+            raise TeacherError(f"policy: {failed[0]}")
+        return trajs, [{"variant": "policy"} for _ in pairs]
+
+    def annotate(self, traj: env.Trajectory, meta: dict, K: int) -> tuple[list[list[str]], list, list[str]]:
+        messages = annotation_messages(traj, K)
+        for attempt in range(self.format_retries + 1):
+            text = self.chat(self.rubric_model, messages, 0.0, self.rubric_max_tokens)
+            try:
+                return parse_annotation(text, len(traj.steps), K)
+            except TeacherError as e:
+                if attempt == self.format_retries:
+                    raise TeacherError(f"rubric: {e}; reply began {text[:120]!r}") from None
+        raise TeacherError("no annotation")
+
+
+class LockedRetriever:
+    """One retrieval at a time when API workers share the retriever."""
+
+    def __init__(self, retriever):
+        self.retriever, self.lock = retriever, threading.Lock()
+
+    def retrieve(self, examples, queries):
+        with self.lock:
+            return self.retriever.retrieve(examples, queries)
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Collection: records appended as they finish, resumable
+# ----------------------------------------------------------------------------------------
+
+class JsonlWriter:
+    """Append one JSON object per line; flush and fsync each; thread-safe; the API key is scrubbed."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.lock = threading.Lock()
+
+    def write(self, obj: dict) -> None:
+        line = scrub(json.dumps(obj, ensure_ascii=False)) + "\n"
+        with self.lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_jsonl(path: Path, repair: bool = False) -> list[dict]:
+    """Records of a JSONL file. A last line cut short by a kill is dropped (and, with `repair`,
+    truncated away so appends stay well-formed); a bad line elsewhere is an error naming it."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        print(f"warning: {path}: dropping an unfinished last record ({len(data) - cut} bytes)", file=sys.stderr)
+        data = data[:cut]
+        if repair:
+            with open(path, "r+b") as f:
+                f.truncate(cut)
+    out = []
+    for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    return out
+
+
+def make_record(ex: env.Example, sample: int, traj: env.Trajectory, meta: dict, criteria: list[list[str]],
+                raw_scores: list, issues: list[str], K: int, tol: float, teacher: str) -> dict:
+    """One warmup record: the whole trajectory as logged by the environment, its rubric, Eq. 6."""
+    T = len(traj.steps)  # rows beyond T are cut, missing ones padded (no criteria, neutral scores)
+    teacher_scores = [clip_and_fit(row, K) for row in (list(raw_scores) + [[]] * T)[:T]]
+    criteria = [[str(x) for x in (list(c) + [""] * K)[:K]] for c in (list(criteria) + [[]] * T)[:T]]
+    projected = project_scores(teacher_scores, traj.reward, tol)
+    d = traj.to_dict()
+    steps = []
+    for t, s in enumerate(d["steps"]):
+        s["criteria"] = criteria[t]
+        s["teacher_scores"] = teacher_scores[t]
+        s["scores"] = projected[t] if projected is not None else None
+        steps.append(s)
+    return {"id": ex.id, "sample": sample, "dataset": ex.dataset, "teacher": teacher, "K": K,
+            "variant": meta.get("variant", ""), "imperfect": bool(meta.get("imperfect", False)),
+            "question": ex.question, "gold": ex.answers, "answer": traj.answer, "reward": traj.reward,
+            "finished": traj.finished, "max_searches": traj.max_searches,
+            "supporting": list(ex.supporting), "evidence_found": evidence_found(traj),
+            "projected": projected is not None, "annotation_issues": issues, "steps": steps}
+
+
+def _run_group(teacher, group: list[tuple[env.Example, list[int]]], retriever, K: int, tol: float,
+               write: Callable[[dict], None], fail: Callable[[dict], None]) -> None:
+    pairs = [(ex, s) for ex, samples in group for s in samples]
+    try:
+        trajs, metas = teacher.rollout(pairs, retriever)
+    except TeacherError as e:
+        for ex, s in pairs:
+            fail({"id": ex.id, "sample": s, "stage": "policy", "error": str(e)})
+        return
+    for (ex, s), traj, meta in zip(pairs, trajs, metas):
+        try:
+            criteria, scores, issues = teacher.annotate(traj, meta, K)
+        except TeacherError as e:
+            fail({"id": ex.id, "sample": s, "stage": "rubric", "error": str(e)})
+            continue
+        write(make_record(ex, s, traj, meta, criteria, scores, issues, K, tol, teacher.name))
+
+
+def collect(examples: Sequence[env.Example], teacher, retriever, out_dir: str | Path, k: int = 4, K: int = 3,
+            tol: float = 1e-6, progress: bool = True) -> dict:
+    """Collect k annotated trajectories per question into out_dir/records.jsonl (App. B).
+
+    Resumable: (id, sample) pairs already in records.jsonl are skipped and cost no teacher call.
+    Failures (after retries) go to failures.jsonl and are tried again by the next run. Returns the
+    counts of this run.
+    """
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from tqdm import tqdm
+    out_dir = Path(out_dir)
+    path = out_dir / "records.jsonl"
+    old = read_jsonl(path, repair=True)
+    for r in old:
+        if r.get("K") != K or r.get("teacher") != teacher.name:
+            raise ValueError(f"{path}: records were made with teacher={r.get('teacher')} K={r.get('K')}, this run uses "
+                             f"teacher={teacher.name} K={K}; choose another --out-dir")
+    done = {(r["id"], r["sample"]) for r in old}
+    unique: dict[str, env.Example] = {}
+    for ex in examples:  # each id once
+        unique.setdefault(ex.id, ex)
+    examples = list(unique.values())
+    jobs = [(ex, [s for s in range(k) if (ex.id, s) not in done]) for ex in examples]
+    jobs = [j for j in jobs if j[1]]
+    counts = Counter(skipped_finished=sum(k - len(j[1]) for j in jobs) + k * (len(examples) - len(jobs)))
+    records, failures = JsonlWriter(path), JsonlWriter(out_dir / "failures.jsonl")
+    lock = threading.Lock()  # API workers write from their own threads
+
+    def write(rec: dict) -> None:
+        records.write(rec)
+        with lock:
+            counts["records"] += 1
+            counts[f"reward_{rec['reward']:g}"] += 1
+
+    def fail(rec: dict) -> None:
+        failures.write(rec)
+        with lock:
+            counts[f"failed_{rec['stage']}"] += 1
+
+    groups = [jobs[i:i + teacher.group_size] for i in range(0, len(jobs), teacher.group_size)]
+    bar = tqdm(total=len(jobs), desc=f"warmup {teacher.name}", unit="q", disable=not progress)
+    if getattr(teacher, "workers", 1) <= 1:
+        for g in groups:
+            _run_group(teacher, g, retriever, K, tol, write, fail)
+            bar.update(len(g))
+    else:
+        shared = LockedRetriever(retriever)
+        pool = ThreadPoolExecutor(teacher.workers)
+        try:
+            futures = {pool.submit(_run_group, teacher, g, shared, K, tol, write, fail): len(g) for g in groups}
+            for fut in as_completed(futures):
+                fut.result()
+                bar.update(futures[fut])
+        except BaseException:
+            teacher.stop.set()  # in-flight calls end at their next attempt; written records stay
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+    bar.close()
+    return dict(counts)
+
+
+# ----------------------------------------------------------------------------------------
+# 5. Filtering (App. B) and the SFT datasets
+# ----------------------------------------------------------------------------------------
+
+def criteria_ok(step: dict, K: int) -> bool:
+    """A step keeps its μ SFT example only with K non-empty criteria."""
+    c = step.get("criteria") or []
+    return len(c) == K and all(isinstance(x, str) and x.strip() for x in c)
+
+
+def filter_records(records: Sequence[dict], K: int, tol: float = 1e-6) -> tuple[list[dict], Counter]:
+    """Records usable for μ SFT, and why the others (and steps) were dropped (App. B).
+
+    A record is dropped when its scores could not be projected (infeasible Eq. 6), when its
+    projected scores are not K wide, or when they miss the constraint by more than `tol`; steps
+    with empty criteria are counted here and skipped by `rubric_sft_examples`.
+    """
+    kept, dropped = [], Counter()
+    for r in records:
+        rows = [s.get("scores") for s in r["steps"]]
+        if not r.get("projected") or any(row is None for row in rows) or not rows:
+            dropped["infeasible_projection"] += 1
+        elif any(len(row) != K for row in rows):
+            dropped["wrong_width"] += 1
+        elif abs(step_means_sum(rows) - r["reward"]) > tol:
+            dropped["constraint_violated"] += 1
+        else:
+            kept.append(r)
+            dropped["empty_criteria_steps"] += sum(not criteria_ok(s, K) for s in r["steps"])
+    return kept, dropped
+
+
+def _steps(record: dict) -> list[env.Step]:
+    return [env.Step(prompt=[], output=s["output"], action=s["action"], argument=s["argument"],
+                     observation=s["observation"], valid=s["valid"], reason=s["reason"],
+                     searches_left=s["searches_left"], forced_finish=s["forced_finish"], retrieved=s.get("retrieved"))
+            for s in record["steps"]]
+
+
+def policy_sft_examples(records: Sequence[dict], min_reward: float = 1.0, require_evidence: bool = True,
+                        dropped: Counter | None = None) -> list[dict]:
+    """π SFT data (App. B, "Policy warmup"): one example per valid step of a successful trajectory.
+
+    Successful: R >= min_reward and (with `require_evidence`) every supporting paragraph was
+    retrieved, so no example teaches a lucky guess. The oracle's deliberately imperfect
+    trajectories (a wrong-entity or redundant search that still ended with R = 1) are there for
+    μ and are not imitated. Input: the exact prompt the RL policy sees at
+    that step (`env.policy_messages` with the same history text, budget and finish-only switch);
+    target: the action string, Search[query] or Finish[answer]. Invalid steps stay in later
+    prompts' history, as in the environment, but are not targets.
+    """
+    dropped = dropped if dropped is not None else Counter()
+    out = []
+    for r in records:
+        if r["reward"] < min_reward:
+            dropped["low_reward"] += 1
+            continue
+        if require_evidence and not r.get("evidence_found"):
+            dropped["evidence_not_found"] += 1
+            continue
+        if r.get("imperfect"):
+            dropped["imperfect_variant"] += 1
+            continue
+        steps = _steps(r)
+        for t, s in enumerate(steps):
+            if not s.valid:
+                dropped["invalid_step"] += 1
+                continue
+            out.append({"id": r["id"], "sample": r["sample"], "step": t,
+                        "messages": env.policy_messages(r["question"], env.format_history(steps[:t]), s.searches_left,
+                                                        s.forced_finish),
+                        "target": s.action_text()})
+    return out
+
+
+def rubric_sft_examples(records: Sequence[dict]) -> list[dict]:
+    """μ SFT data (App. B, "Rubric warmup"; Eq. 7): one item per step with K non-empty criteria.
+
+    Each item: question, prefix h_t (the history text before the step, as π saw it), action a_t,
+    searches left, the K criteria r̃_t and the K projected scores ŝ_t. Pass records through
+    `filter_records` first.
+    """
+    out = []
+    for r in records:
+        steps = _steps(r)
+        for t, (s, raw) in enumerate(zip(steps, r["steps"])):
+            if not criteria_ok(raw, r["K"]) or raw.get("scores") is None:
+                continue
+            out.append({"id": r["id"], "sample": r["sample"], "step": t, "question": r["question"],
+                        "prefix": env.format_history(steps[:t]), "action": s.action_text(),
+                        "searches_left": s.searches_left, "forced_finish": s.forced_finish,
+                        "criteria": list(raw["criteria"]), "scores": list(raw["scores"])})
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# 6. π SFT and μ SFT (Eq. 7) build on rubric_model.py
+# ----------------------------------------------------------------------------------------
+
+
+# ----------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------
+
+def make_teacher(args: Args):
+    if args.teacher == "oracle":
+        return OracleTeacher(seed=args.seed, obs_chars=args.obs_chars)
+    return OpenAITeacher(args.teacher_policy_model, args.teacher_rubric_model, args.temperature, args.max_retries,
+                         args.backoff, args.timeout, args.concurrency, args.policy_max_tokens, args.rubric_max_tokens,
+                         args.price_input, args.price_output, args.obs_chars)
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(scrub(json.dumps(obj, indent=2, ensure_ascii=False)) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def summarize(records: Sequence[dict], run: dict, args: Args, teacher) -> tuple[dict, list[dict], list[dict]]:
+    """(counts of the warmup set: rewards, evidence, drops by reason, SFT sizes, API usage; π SFT; μ SFT)."""
+    kept, dropped = filter_records(records, args.K, args.tol)
+    pi_dropped = Counter()
+    pi = policy_sft_examples(records, args.min_reward, args.require_evidence, pi_dropped)
+    mu = rubric_sft_examples(kept)
+    rewards = Counter(f"{r['reward']:g}" for r in records)
+    return {"records": len(records), "reward_1": rewards.get("1", 0), "reward_0": rewards.get("0", 0),
+            "evidence_found": sum(bool(r.get("evidence_found")) for r in records),
+            "variants": dict(Counter(r.get("variant", "") for r in records)),
+            "this_run": run, "mu_records_kept": len(kept), "dropped_mu": dict(dropped), "dropped_pi": dict(pi_dropped),
+            "policy_sft_examples": len(pi), "rubric_sft_examples": len(mu),
+            "teacher_usage_this_run": teacher.usage()}, pi, mu
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(Args, argv, description=__doc__)
+    try:
+        if args.check_gold:
+            retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
+            names = [d for d in env.DATASETS] if args.dataset == "all" else [args.dataset]
+            for ds in names:
+                examples = env.load_split(ds, args.split, args.data_dir or None, args.check_size or None, args.seed)
+                r = gold_evidence_rate(examples, retriever, args.obs_chars)
+                print(f"{ds}/{args.split}: {r['questions']} questions; the gold trajectory retrieved every supporting "
+                      f"paragraph for {100 * r['all_evidence']:.1f}% (R = 1 for {100 * r['reward']:.1f}%); "
+                      f"{r['fits_budget']} need no more searches than the budget ({env.DEFAULT_MAX_SEARCHES[ds]}), "
+                      f"{100 * r['all_evidence_when_fits']:.1f}% of those; by type: "
+                      + ", ".join(f"{t} {100 * v['all_evidence']:.0f}% of {v['n']}" for t, v in r["by_type"].items()))
+            return
+        if args.dataset not in env.DATASETS:
+            raise env.DataError(f"unknown dataset '{args.dataset}': choose one of {', '.join(env.DATASETS)}")
+        out_dir = Path(args.out_dir or Path("runs") / args.dataset / "warmup")
+        examples = env.load_split(args.dataset, args.split, args.data_dir or None, args.train_size or None, args.seed)
+        teacher = make_teacher(args)
+        retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
+        write_json(out_dir / "args.json", dataclasses.asdict(args))
+        try:
+            run = collect(examples, teacher, retriever, out_dir, args.samples, args.K, args.tol, args.progress)
+        except KeyboardInterrupt:
+            sys.exit(f"interrupted: every finished record is in {out_dir / 'records.jsonl'}; "
+                     f"rerun the same command to resume")
+        wanted = {ex.id for ex in examples}
+        records = [r for r in read_jsonl(out_dir / "records.jsonl") if r["id"] in wanted and r["sample"] < args.samples]
+        summary, pi, mu = summarize(records, run, args, teacher)
+        for name, rows in (("policy_sft.jsonl", pi), ("rubric_sft.jsonl", mu)):
+            (out_dir / name).write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in rows), encoding="utf-8")
+        write_json(out_dir / "summary.json", summary)
+    except (env.DataError, TeacherError, ValueError) as e:
+        sys.exit(f"error: {scrub(str(e))}")
+    failed = sum(v for k, v in run.items() if k.startswith("failed_"))
+    print(f"warmup records: {summary['records']} (R=1: {summary['reward_1']}, R=0: {summary['reward_0']}, "
+          f"evidence found: {summary['evidence_found']}); this run: {run.get('records', 0)} new, "
+          f"{run.get('skipped_finished', 0)} already done, {failed} failed")
+    print(f"dropped for μ SFT: {summary['dropped_mu'] or 'none'}; not used for π SFT: {summary['dropped_pi'] or 'none'}")
+    print(f"π SFT examples: {summary['policy_sft_examples']}; μ SFT examples: {summary['rubric_sft_examples']}")
+    if summary["teacher_usage_this_run"]:
+        print(f"teacher usage: {summary['teacher_usage_this_run']}")
+    print(f"written to {out_dir}/ (records.jsonl, summary.json, policy_sft.jsonl, rubric_sft.jsonl)")
+
+
+if __name__ == "__main__":
+    main()
