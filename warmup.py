@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+import torch
+
 import env
 from evaluate import normalize_answer, parse_args
 
@@ -97,6 +99,23 @@ class Args:
     check_size: int = field(default=0, metadata={
         "help": "questions measured by --check-gold (0 = the whole split; synthetic: 200)"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
+    collect_only: bool = field(default=False, metadata={"help": "stop after collection and the SFT datasets"})
+    model: str = field(default="embedded", metadata={"help": "π's backbone: 'embedded' (SmolLM2-135M-Instruct) or an HF id/folder"})
+    mu_model: str = field(default="", metadata={"help": "μ's backbone; empty = the same as --model"})
+    rubric_mode: str = field(default="adaptive", metadata={
+        "help": "μ variant: adaptive, prefix-free, static, none", "choices": ["adaptive", "prefix-free", "static", "none"]})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, ..."})
+    sft_epochs_pi: int = field(default=6, metadata={"help": "π SFT epochs (release: 6)"})
+    sft_epochs_mu: int = field(default=10, metadata={"help": "μ SFT epochs (release: 10)"})
+    sft_lr_pi: float = field(default=1e-5, metadata={"help": "π SFT LoRA learning rate (release: 1e-5)"})
+    sft_lr_mu: float = field(default=5e-5, metadata={"help": "μ SFT LoRA learning rate (release: 5e-5)"})
+    sft_head_lr: float = field(default=1e-3, metadata={"help": "μ SFT score-head learning rate (release: 1e-3)"})
+    score_weight: float = field(default=10.0, metadata={"help": "λ of Eq. 7, the criterion-score loss weight (release: 10)"})
+    sft_batch_size: int = field(default=8, metadata={"help": "sequences per SFT optimizer step"})
+    micro_batch: int = field(default=4, metadata={"help": "sequences per forward pass (gradients are accumulated)"})
+    max_new_tokens: int = field(default=64, metadata={"help": "π's max new tokens per action in the dev evaluation"})
+    eval_size: int = field(default=500, metadata={"help": "dev questions for the base / SFT-only evaluation (paper: 500)"})
+    probe_size: int = field(default=32, metadata={"help": "μ SFT items on which Eq. 7's two terms are shown before/after"})
 
 
 # ----------------------------------------------------------------------------------------
@@ -1096,8 +1115,171 @@ def rubric_sft_examples(records: Sequence[dict]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------
-# 6. π SFT and μ SFT (Eq. 7) build on rubric_model.py
+# 6. π SFT and μ SFT (App. B, Eq. 7)
 # ----------------------------------------------------------------------------------------
+
+def _shuffled_batches(n: int, batch_size: int, rng: random.Random) -> list[list[int]]:
+    order = list(range(n))
+    rng.shuffle(order)
+    return [order[i:i + batch_size] for i in range(0, n, batch_size)]
+
+
+def _micro(batch: list[int], size: int) -> list[list[int]]:
+    return [batch[i:i + max(1, size)] for i in range(0, len(batch), max(1, size))]
+
+
+def policy_sft_loss(pi, batch: Sequence[tuple[list[int], list[int]]]):
+    """π SFT: mean NLL of the target action's tokens given the RL policy prompt (target tokens only)."""
+    from rubric_model import sequence_logprobs
+    lp = sequence_logprobs(pi, [p for p, _ in batch], [r for _, r in batch])
+    return -lp.logprobs.sum() / lp.mask.sum()
+
+
+def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch_size: int = 8, seed: int = 0,
+                     progress: bool = True, micro_batch: int = 4) -> list[float]:
+    """π warmup (App. B): a LoRA trained on (policy prompt → action), then merged into the weights.
+
+    Returns the mean loss of each epoch.
+    """
+    from tqdm import tqdm
+    from rubric_model import add_lora, chat_prompt_ids, encode_response, merge_lora, trainable_parameters
+    data = [(chat_prompt_ids(pi.tokenizer, ex["messages"]), encode_response(pi, ex["target"])) for ex in examples]
+    add_lora(pi)
+    opt = torch.optim.AdamW(trainable_parameters(pi.model), lr=lr, weight_decay=0.0)
+    rng, losses = random.Random(seed), []
+    pi.model.train()
+    for epoch in range(epochs):
+        total = 0.0
+        batches = _shuffled_batches(len(data), batch_size, rng)
+        for b in tqdm(batches, desc=f"π SFT epoch {epoch + 1}/{epochs}", disable=not progress, leave=False):
+            opt.zero_grad(set_to_none=True)
+            for part in _micro(b, micro_batch):       # gradient accumulation: the batch in memory-sized parts
+                loss = policy_sft_loss(pi, [data[i] for i in part]) * len(part) / len(b)
+                loss.backward()
+                total += float(loss.detach()) * len(b)
+            opt.step()
+        losses.append(total / max(len(data), 1))
+        print(f"[warmup] π SFT epoch {epoch + 1}: loss {losses[-1]:.4f}", flush=True)
+    pi.model.eval()
+    merge_lora(pi)
+    return losses
+
+
+def rubric_items(mu, items: Sequence[dict]):
+    """μ SFT items → (StepContext list, teacher Rubric list, projected scores [B, K])."""
+    from rubric_model import StepContext
+    contexts = [StepContext(it["question"], it["prefix"], it["action"], it["searches_left"]) for it in items]
+    rubrics = [mu.rubric_from_criteria(it["criteria"]) for it in items]
+    targets = torch.tensor([it["scores"] for it in items], dtype=torch.float32, device=mu.backbone.device)
+    return contexts, rubrics, targets
+
+
+def rubric_sft_loss(mu, items: Sequence[dict], lam: float):
+    """Eq. 7: −Σ_t log p_θ(r̃_t | q, h_t, a_t) + λ Σ_t ‖d_t − ŝ_t‖², averaged over the steps of the batch.
+
+    The text term is the sequence NLL of the teacher's criteria JSON (summed over its tokens, as
+    Eq. 7 writes it); the score term is the squared error of the score head's d_t on the full
+    scoring sequence (q, h_t, a_t, r̃_t) against the projected teacher scores ŝ_t. Variants with
+    no generated rubric ('static', 'none') have no text term: App. B, "ablations ... either remove
+    the rubric text target or replace it with a fixed rubric". Returns (loss, text, score).
+    """
+    contexts, rubrics, targets = rubric_items(mu, items)
+    d = mu.score(contexts, rubrics).d.float()
+    score = ((d - targets) ** 2).sum(-1).mean()
+    if mu.rubric_mode in ("adaptive", "prefix-free"):
+        text = -mu.rubric_logprobs(contexts, rubrics).sums().float().mean()
+    else:
+        text = score.new_zeros(())
+    return text + lam * score, text, score
+
+
+def rubric_sft_terms(mu, items: Sequence[dict], lam: float, batch_size: int = 8) -> dict:
+    """The two terms of Eq. 7, averaged over `items`, without gradients (to show μ SFT lowers both)."""
+    text = score = 0.0
+    mu.eval()
+    with torch.no_grad():
+        for i in range(0, len(items), batch_size):
+            chunk = items[i:i + batch_size]
+            _, t, sc = rubric_sft_loss(mu, chunk, lam)
+            text += float(t) * len(chunk)
+            score += float(sc) * len(chunk)
+    n = max(len(items), 1)
+    return {"text_nll": text / n, "score_sq_error": score / n}
+
+
+def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr: float, lam: float,
+                     batch_size: int = 8, seed: int = 0, progress: bool = True, micro_batch: int = 2) -> list[float]:
+    """μ warmup (App. B, Eq. 7): a LoRA on μ's backbone and the score head, trained together with
+    separate learning rates; the LoRA is then merged. Returns the mean loss of each epoch."""
+    from tqdm import tqdm
+    from rubric_model import add_lora, merge_lora
+    add_lora(mu.backbone)
+    opt = torch.optim.AdamW(mu.parameter_groups(lr, head_lr), weight_decay=0.0)
+    rng, losses = random.Random(seed), []
+    mu.train()
+    for epoch in range(epochs):
+        total = 0.0
+        for b in tqdm(_shuffled_batches(len(items), batch_size, rng), desc=f"μ SFT epoch {epoch + 1}/{epochs}",
+                      disable=not progress, leave=False):
+            opt.zero_grad(set_to_none=True)
+            for part in _micro(b, micro_batch):
+                loss = rubric_sft_loss(mu, [items[i] for i in part], lam)[0] * len(part) / len(b)
+                loss.backward()
+                total += float(loss.detach()) * len(b)
+            opt.step()
+        losses.append(total / max(len(items), 1))
+        print(f"[warmup] μ SFT epoch {epoch + 1}: loss {losses[-1]:.4f}", flush=True)
+    mu.eval()
+    merge_lora(mu.backbone)
+    return losses
+
+
+def evaluate_policy(pi, examples: Sequence[env.Example], retriever, max_new_tokens: int, obs_chars: int,
+                    batch_size: int = 16, max_searches: int | None = None) -> tuple[dict, list[env.Trajectory]]:
+    """Greedy dev evaluation of a policy: EM / F1 (official HotpotQA semantics; an unfinished
+    trajectory scores 0), searches per question, invalid-step rate. Also the paper's Base and
+    SFT-Only rows."""
+    from evaluate import exact_match, f1_score
+    from rubric_model import generate
+    trajs = env.rollout(examples, lambda prompts: generate(pi, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
+                                                           batch_size=batch_size), retriever, max_searches,
+                        obs_chars, progress=True)
+    n = max(len(trajs), 1)
+    steps = [st for t in trajs for st in t.steps]
+    return {"n": len(trajs),
+            "em": 100 * sum(exact_match(t.answer, t.example.answers) if t.finished else 0.0 for t in trajs) / n,
+            "f1": 100 * sum(f1_score(t.answer, t.example.answers) if t.finished else 0.0 for t in trajs) / n,
+            "mean_searches": sum(st.action == "search" and st.valid for st in steps) / n,
+            "invalid_rate": sum(not st.valid for st in steps) / max(len(steps), 1),
+            "finished_rate": sum(t.finished for t in trajs) / n}, trajs
+
+
+def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: Sequence[dict], retriever) -> dict:
+    """π SFT and μ SFT, the merged π_sft/ and μ_sft/ saved, and the dev evaluation of the base
+    and the SFT-only policy (greedy) into metrics.json."""
+    from rubric_model import RubricModel, load_backbone, save_backbone
+    dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size or None, args.seed)
+    metrics: dict = {"dataset": args.dataset, "dev_questions": len(dev)}
+    pi = load_backbone(args.model, device=args.device)
+    print(f"[warmup] evaluating the base policy ({args.model}) on {len(dev)} dev questions", flush=True)
+    metrics["base"], _ = evaluate_policy(pi, dev, retriever, args.max_new_tokens, args.obs_chars, args.sft_batch_size)
+    metrics["pi_sft_loss_per_epoch"] = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi,
+                                                        args.sft_batch_size, args.seed, args.progress, args.micro_batch)
+    save_backbone(pi, out_dir / "pi_sft")
+    metrics["sft_only"], _ = evaluate_policy(pi, dev, retriever, args.max_new_tokens, args.obs_chars, args.sft_batch_size)
+    print(f"[warmup] dev EM: base {metrics['base']['em']:.1f} -> SFT only {metrics['sft_only']['em']:.1f}", flush=True)
+    del pi
+    mu_backbone = load_backbone(args.mu_model or args.model, device=args.device)
+    mu = RubricModel(mu_backbone, k=args.K, rubric_mode=args.rubric_mode)
+    probe = list(mu_items[:args.probe_size])
+    metrics["mu_sft_terms_before"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch)
+    metrics["mu_sft_loss_per_epoch"] = train_rubric_sft(mu, mu_items, args.sft_epochs_mu, args.sft_lr_mu,
+                                                        args.sft_head_lr, args.score_weight, args.sft_batch_size,
+                                                        args.seed, args.progress, args.micro_batch)
+    metrics["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch)
+    mu.save(out_dir / "mu_sft")
+    write_json(out_dir / "metrics.json", metrics)
+    return metrics
 
 
 # ----------------------------------------------------------------------------------------
@@ -1134,50 +1316,81 @@ def summarize(records: Sequence[dict], run: dict, args: Args, teacher) -> tuple[
             "teacher_usage_this_run": teacher.usage()}, pi, mu
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(Args, argv, description=__doc__)
+def check_gold(args: Args) -> None:
+    """--check-gold: how often the oracle's gold trajectories retrieve every supporting paragraph."""
+    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
+    names = [d for d in env.DATASETS] if args.dataset == "all" else [args.dataset]
+    for ds in names:
+        examples = env.load_split(ds, args.split, args.data_dir or None, args.check_size or None, args.seed)
+        r = gold_evidence_rate(examples, retriever, args.obs_chars)
+        print(f"{ds}/{args.split}: {r['questions']} questions; the gold trajectory retrieved every supporting "
+              f"paragraph for {100 * r['all_evidence']:.1f}% (R = 1 for {100 * r['reward']:.1f}%); "
+              f"{r['fits_budget']} need no more searches than the budget ({env.DEFAULT_MAX_SEARCHES[ds]}), "
+              f"{100 * r['all_evidence_when_fits']:.1f}% of those; by type: "
+              + ", ".join(f"{t} {100 * v['all_evidence']:.0f}% of {v['n']}" for t, v in r["by_type"].items()))
+
+
+def run(args: Args) -> Path:
+    """The whole warmup: collection (resumable), filtering, SFT datasets, π SFT, μ SFT, evaluation."""
+    if args.dataset not in env.DATASETS:
+        raise env.DataError(f"unknown dataset '{args.dataset}': choose one of {', '.join(env.DATASETS)}")
+    out_dir = Path(args.out_dir or Path("runs") / args.dataset / "warmup")
+    examples = env.load_split(args.dataset, args.split, args.data_dir or None, args.train_size or None, args.seed)
+    teacher = make_teacher(args)
+    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
+    write_json(out_dir / "args.json", dataclasses.asdict(args))
     try:
-        if args.check_gold:
-            retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
-            names = [d for d in env.DATASETS] if args.dataset == "all" else [args.dataset]
-            for ds in names:
-                examples = env.load_split(ds, args.split, args.data_dir or None, args.check_size or None, args.seed)
-                r = gold_evidence_rate(examples, retriever, args.obs_chars)
-                print(f"{ds}/{args.split}: {r['questions']} questions; the gold trajectory retrieved every supporting "
-                      f"paragraph for {100 * r['all_evidence']:.1f}% (R = 1 for {100 * r['reward']:.1f}%); "
-                      f"{r['fits_budget']} need no more searches than the budget ({env.DEFAULT_MAX_SEARCHES[ds]}), "
-                      f"{100 * r['all_evidence_when_fits']:.1f}% of those; by type: "
-                      + ", ".join(f"{t} {100 * v['all_evidence']:.0f}% of {v['n']}" for t, v in r["by_type"].items()))
-            return
-        if args.dataset not in env.DATASETS:
-            raise env.DataError(f"unknown dataset '{args.dataset}': choose one of {', '.join(env.DATASETS)}")
-        out_dir = Path(args.out_dir or Path("runs") / args.dataset / "warmup")
-        examples = env.load_split(args.dataset, args.split, args.data_dir or None, args.train_size or None, args.seed)
-        teacher = make_teacher(args)
-        retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
-        write_json(out_dir / "args.json", dataclasses.asdict(args))
-        try:
-            run = collect(examples, teacher, retriever, out_dir, args.samples, args.K, args.tol, args.progress)
-        except KeyboardInterrupt:
-            sys.exit(f"interrupted: every finished record is in {out_dir / 'records.jsonl'}; "
-                     f"rerun the same command to resume")
-        wanted = {ex.id for ex in examples}
-        records = [r for r in read_jsonl(out_dir / "records.jsonl") if r["id"] in wanted and r["sample"] < args.samples]
-        summary, pi, mu = summarize(records, run, args, teacher)
-        for name, rows in (("policy_sft.jsonl", pi), ("rubric_sft.jsonl", mu)):
-            (out_dir / name).write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in rows), encoding="utf-8")
-        write_json(out_dir / "summary.json", summary)
-    except (env.DataError, TeacherError, ValueError) as e:
-        sys.exit(f"error: {scrub(str(e))}")
-    failed = sum(v for k, v in run.items() if k.startswith("failed_"))
+        run_counts = collect(examples, teacher, retriever, out_dir, args.samples, args.K, args.tol, args.progress)
+    except KeyboardInterrupt:
+        sys.exit(f"interrupted: every finished record is in {out_dir / 'records.jsonl'}; "
+                 f"rerun the same command to resume")
+    wanted = {ex.id for ex in examples}
+    records = [r for r in read_jsonl(out_dir / "records.jsonl") if r["id"] in wanted and r["sample"] < args.samples]
+    summary, pi, mu = summarize(records, run_counts, args, teacher)
+    for name, rows in (("policy_sft.jsonl", pi), ("rubric_sft.jsonl", mu)):
+        (out_dir / name).write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in rows), encoding="utf-8")
+    write_json(out_dir / "summary.json", summary)
+    failed = sum(v for k, v in run_counts.items() if k.startswith("failed_"))
     print(f"warmup records: {summary['records']} (R=1: {summary['reward_1']}, R=0: {summary['reward_0']}, "
-          f"evidence found: {summary['evidence_found']}); this run: {run.get('records', 0)} new, "
-          f"{run.get('skipped_finished', 0)} already done, {failed} failed")
+          f"evidence found: {summary['evidence_found']}); this run: {run_counts.get('records', 0)} new, "
+          f"{run_counts.get('skipped_finished', 0)} already done, {failed} failed")
     print(f"dropped for μ SFT: {summary['dropped_mu'] or 'none'}; not used for π SFT: {summary['dropped_pi'] or 'none'}")
     print(f"π SFT examples: {summary['policy_sft_examples']}; μ SFT examples: {summary['rubric_sft_examples']}")
     if summary["teacher_usage_this_run"]:
         print(f"teacher usage: {summary['teacher_usage_this_run']}")
-    print(f"written to {out_dir}/ (records.jsonl, summary.json, policy_sft.jsonl, rubric_sft.jsonl)")
+    if args.collect_only:
+        print(f"written to {out_dir}/ (records.jsonl, summary.json, policy_sft.jsonl, rubric_sft.jsonl)")
+        return out_dir
+    if not pi or not mu:
+        raise ValueError(f"nothing to fine-tune on: {len(pi)} π SFT and {len(mu)} μ SFT examples")
+    m = run_sft(args, out_dir, pi, mu, retriever)
+    print(f"μ SFT, Eq. 7 terms on {min(len(mu), args.probe_size)} items: text NLL "
+          f"{m['mu_sft_terms_before']['text_nll']:.2f} -> {m['mu_sft_terms_after']['text_nll']:.2f}, score error "
+          f"{m['mu_sft_terms_before']['score_sq_error']:.3f} -> {m['mu_sft_terms_after']['score_sq_error']:.3f}")
+    print(f"written to {out_dir}/ (pi_sft/, mu_sft/, metrics.json, records.jsonl, summary.json)")
+    return out_dir
+
+
+def run_from_arco(a, out_dir: Path) -> Path:
+    """The offline oracle warmup with the settings of an arco.py run (its preset and flags)."""
+    args = Args(dataset=a.dataset, data_dir=a.data_dir, train_size=a.train_size, seed=a.seed,
+                samples=a.warmup_samples, K=a.k, out_dir=str(out_dir), model=a.model, mu_model=a.mu_model,
+                rubric_mode=a.rubric, device=a.device, sft_epochs_pi=a.sft_epochs_pi, sft_epochs_mu=a.sft_epochs_mu,
+                sft_lr_pi=a.sft_lr_pi, sft_lr_mu=a.sft_lr_mu, sft_head_lr=a.sft_head_lr,
+                micro_batch=a.micro_batch, max_new_tokens=a.max_new_tokens_pi, eval_size=a.eval_size,
+                obs_chars=a.obs_chars)
+    return run(args)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(Args, argv, description=__doc__)
+    try:
+        if args.check_gold:
+            check_gold(args)
+        else:
+            run(args)
+    except (env.DataError, TeacherError, ValueError) as e:
+        sys.exit(f"error: {scrub(str(e))}")
 
 
 if __name__ == "__main__":

@@ -21,28 +21,6 @@ from rubric_model import (Backbone, Rubric, RubricModel, ScoreHead, StepContext,
 
 
 # ----------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="session")
-def smol_dir():
-    """The embedded SmolLM2 as a cached HF checkpoint (converted on the first run only)."""
-    return rm.embedded_checkpoint()
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(smol_dir, tmp_path_factory):
-    """A tiny random Llama saved with the SmolLM2 tokenizer: a real local HF folder."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    tok = AutoTokenizer.from_pretrained(smol_dir)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture
 def tiny(tiny_dir):
     """fp32 compute (autocast off), so results can be compared with exact fp32 references."""
