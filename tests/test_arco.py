@@ -1,0 +1,130 @@
+"""arco.py: the policy update against a hand computation on a tiny model, and Algorithm 1 end to
+end (warmup → sparse epoch → dense epoch → evaluation → report), with --resume after a kill."""
+import json
+
+import pytest
+import torch
+
+import arco
+import env
+import rubric_model as rm
+
+
+def test_policy_update_matches_hand_computation(tiny_dir):
+    """Eq. 3 on a tiny model: the loss policy_update reports equals −(1/|B|) Σ A log p(a|h), with
+    log p(a|h) recomputed here the slow way, one sequence and one token at a time."""
+    pi = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
+    rm.add_lora(pi)
+    examples = env.synthetic_examples(2, split="dev")
+    title = examples[0].paragraphs[0][0]
+    script = iter(["Search[" + title + "]", "Finish[no]", "Finish[" + examples[1].answer + "]"])
+    trajs = env.rollout(examples, lambda prompts: [next(script) for _ in prompts], TitleRetriever())
+    A = [[0.5, -0.25], [1.0]]
+    args = arco.resolve_args(arco.Args(micro_batch=2))
+    out = arco.policy_update(pi, torch.optim.SGD(rm.trainable_parameters(pi.model), lr=0.0), trajs, A, args, 0.0)
+
+    expected = 0.0
+    pi.model.eval()
+    with torch.no_grad():
+        for t, a_t in zip(trajs, A):
+            for st, a in zip(t.steps, a_t):
+                prompt = rm.chat_prompt_ids(pi.tokenizer, st.prompt)
+                response = rm.encode_response(pi, st.output)
+                logits = pi.model(torch.tensor([prompt + response])).logits[0].float()
+                logp = sum(torch.log_softmax(logits[len(prompt) - 1 + i], -1)[tok] for i, tok in enumerate(response))
+                expected += a * float(logp)
+    expected = -expected / len(trajs)
+    assert out["policy_steps"] == 3
+    assert out["policy_loss"] == pytest.approx(expected, rel=1e-4)
+
+
+class TitleRetriever:
+    def retrieve(self, examples, queries):
+        return [next((i for i, (t, _) in enumerate(ex.paragraphs) if t in q), 0) for ex, q in zip(examples, queries)]
+
+
+def tiny_args(tiny_dir, out, **kw):
+    argv = ["--dataset", "synthetic", "--model", str(tiny_dir), "--train-size", "4", "--eval-size", "3",
+            "--epochs", "2", "--dense-start-epoch", "2", "--batch-size", "2", "--group-size", "2",
+            "--max-new-tokens-pi", "8", "--max-new-tokens-mu", "12", "--out-dir", str(out), "--sft-epochs-pi", "1",
+            "--sft-epochs-mu", "1", "--warmup-samples", "2", "--device", "cpu"]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return argv
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    arco.main(tiny_args(tiny_dir, out))
+    return out
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_whole_loop_leaves_a_readable_run(tiny_run):
+    run = tiny_run / "synthetic" / "arco"
+    assert (tiny_run / "synthetic" / "warmup" / "pi_sft" / "config.json").is_file()   # warmup ran first
+    args = json.loads((run / "args.json").read_text())
+    assert args["epochs"] == 2 and args["preset"] == "cpu" and args["reward"] == "arco"
+    rows = read_jsonl(run / "metrics.jsonl")
+    evals = [r for r in rows if r["kind"] == "eval"]
+    updates = [r for r in rows if r["kind"] == "update"]
+    assert [r["epoch"] for r in evals] == [0, 1, 2]
+    assert [(r["epoch"], r["dense"]) for r in updates] == [(1, False), (1, False), (2, True), (2, True)]
+    for r in updates:
+        assert 0 <= r["mean_R"] <= 1 and 0 <= r["invalid_rate"] <= 1 and r["decomposition_mse"] >= 0
+        assert r["seconds_rollout"] > 0 and r["seconds_mu_update"] > 0 and -1 <= r["mean_s"] <= 1
+    dense_trace = read_jsonl(run / "traces" / "epoch_2.jsonl")
+    assert len(dense_trace) == 8                               # 4 questions × G = 2
+    for row in dense_trace:
+        G = [st["G"] for st in row["steps"]]
+        s = [st["s"] for st in row["steps"]]
+        assert G == pytest.approx(arco.reward_to_go(s), abs=1e-3)   # traces hold Eq. 3 as computed
+        assert all(len(st["d"]) == 3 and len(st["criteria"]) == 3 and "A" in st for st in row["steps"])
+        assert row["steps"][-1]["bucket"] == "terminal"
+    assert (run / "checkpoints" / "epoch_2" / "pi" / "config.json").is_file()
+    sel = json.loads((run / "selection.json").read_text())
+    assert sel["selected_epoch"] == 2                           # the only post-transition epoch
+    report = (run / "report.md").read_text()
+    assert "| 0 | SFT only |" in report and "| 2 | dense |" in report and "Selected" in report
+
+
+def test_outcome_baseline_has_no_mu(tiny_run, tiny_dir):
+    arco.main(tiny_args(tiny_dir, tiny_run, reward="outcome", epochs=1,
+                        warmup_dir=tiny_run / "synthetic" / "warmup"))
+    run = tiny_run / "synthetic" / "outcome"
+    updates = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "update"]
+    assert updates and all("decomposition_mse" not in r and not r["dense"] for r in updates)
+    assert not (run / "checkpoints" / "epoch_1" / "mu").exists()
+
+
+def test_resume_after_a_kill_mid_epoch(tiny_run, tiny_dir, monkeypatch):
+    warm = tiny_run / "synthetic" / "warmup"
+    real_update = arco.rubric_update
+    calls = {"n": 0}
+
+    def dying_update(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:                                    # epoch 2, batch 0: killed mid-epoch
+            raise KeyboardInterrupt
+        return real_update(*a, **kw)
+    monkeypatch.setattr(arco, "rubric_update", dying_update)
+    with pytest.raises(KeyboardInterrupt):
+        arco.main(tiny_args(tiny_dir, tiny_run, name="killed", warmup_dir=warm))
+    monkeypatch.setattr(arco, "rubric_update", real_update)
+    with pytest.raises(SystemExit, match="--resume"):             # never overwritten by accident
+        arco.main(tiny_args(tiny_dir, tiny_run, name="killed", warmup_dir=warm))
+    arco.main(tiny_args(tiny_dir, tiny_run, name="killed", warmup_dir=warm, resume=True))
+
+    def evals(name):
+        return [(r["epoch"], r["em"], r["f1"], r["invalid_rate"]) for r in
+                read_jsonl(tiny_run / "synthetic" / name / "metrics.jsonl") if r["kind"] == "eval"]
+
+    def updates(name):
+        return [(r["epoch"], r["batch"], r["mean_R"], round(r["decomposition_mse"], 5)) for r in
+                read_jsonl(tiny_run / "synthetic" / name / "metrics.jsonl") if r["kind"] == "update"]
+    assert evals("killed") == evals("arco")
+    assert updates("killed") == updates("arco")
