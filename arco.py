@@ -364,6 +364,8 @@ def trace_rows(trajs, epoch: int, batch: int, rubrics=None, d=None, s=None, A=No
             if rubrics is not None:
                 st["criteria"] = rubrics[at + j].criteria
                 st["rubric_parsed"] = rubrics[at + j].parsed
+                if not rubrics[at + j].parsed:
+                    st["rubric_text"] = rubrics[at + j].text[:300]     # what μ wrote, kept when unparseable
                 st["d"] = [round(x, 4) for x in d[at + j].tolist()]
                 st["s"] = round(float(s[at + j]), 4)
             if info and "G" in info:
@@ -592,7 +594,9 @@ def write_report(run_dir: Path, history: list[dict], args: Args) -> None:
                 extra += f", A = {st['A']:+.3f}" if "A" in st else ""
                 lines.append(f"{i}. `{act}`{extra}")
                 for c, dj in zip(st.get("criteria", []), st.get("d", [])):
-                    lines.append(f"    - ({dj:+.2f}) {c}")
+                    lines.append(f"    - ({dj:+.2f}) {c or '(no criterion)'}")
+                if st.get("rubric_text"):
+                    lines.append(f"    - μ wrote (unparseable): `{' '.join(st['rubric_text'].split())[:160]}`")
             lines.append("")
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
 
