@@ -42,6 +42,8 @@ from typing import Sequence
 
 import torch
 
+from warmup import read_jsonl   # tolerates a last line cut short by a kill (what --resume meets)
+
 
 @dataclass
 class Args:
@@ -526,12 +528,6 @@ def run(args: Args) -> Path:
     write_selection(run_dir, history, args)
     write_report(run_dir, history, args)
     return run_dir
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def resume_from(folder: Path, args: Args, opt_pi, opt_mu):
