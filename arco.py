@@ -34,6 +34,7 @@ import json
 import math
 import random
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -89,7 +90,13 @@ class Args:
     max_new_tokens_mu: int | None = field(default=None, metadata={"help": "μ's max new tokens per rubric (128)"})
     max_searches: int | None = field(default=None, metadata={"help": "search budget (default: 3, MuSiQue 6)"})
     obs_chars: int | None = field(default=None, metadata={"help": "observation cut, characters"})
-    micro_batch: int | None = field(default=None, metadata={"help": "sequences per forward pass (memory)"})
+    micro_batch: int | None = field(default=None, metadata={"help": "sequences per training forward pass (memory; "
+                                                                      "gradients are accumulated)"})
+    gen_batch: int | None = field(default=None, metadata={"help": "prompts per generation batch (π and μ)"})
+    mu_examples: int | None = field(default=None, metadata={"help": "worked examples in μ's rubric prompt, 0-2 "
+                                                                      "(~200 tokens per step each)"})
+    warmup_probe: int | None = field(default=None, metadata={"help": "μ SFT items on which the warmup shows Eq. 7's "
+                                                                       "terms before/after"})
     sft_epochs_pi: int | None = field(default=None, metadata={"help": "warmup π SFT epochs (release 6)"})
     sft_epochs_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT epochs (release 10)"})
     warmup_samples: int | None = field(default=None, metadata={"help": "warmup: oracle trajectories per question"})
@@ -105,13 +112,14 @@ PRESETS = {
                   dense_start_epoch=3, batch_size=64, group_size=4, rollout_temperature=0.7,
                   rubric_temperature=0.7, pi_lr_sparse=1e-5, pi_lr_dense=3e-6, mu_lr=1e-5, head_lr=5e-4,
                   kl_pi=0.05, kl_mu=0.05, alpha=0.5, max_new_tokens_pi=64, max_new_tokens_mu=128,
-                  obs_chars=600, micro_batch=16, sft_epochs_pi=6, sft_epochs_mu=10, warmup_samples=4,
-                  sft_lr_pi=1e-5, sft_lr_mu=5e-5, sft_head_lr=1e-3),
-    "cpu": dict(model="embedded", train_size=16, eval_size=20, epochs=2, dense_start_epoch=2, batch_size=4,
+                  obs_chars=600, micro_batch=16, gen_batch=64, mu_examples=0, warmup_probe=32,
+                  sft_epochs_pi=6, sft_epochs_mu=10, warmup_samples=4, sft_lr_pi=1e-5, sft_lr_mu=5e-5, sft_head_lr=1e-3),
+    "cpu": dict(model="embedded", train_size=12, eval_size=20, epochs=2, dense_start_epoch=2, batch_size=4,
                 group_size=2, rollout_temperature=0.7, rubric_temperature=0.7, pi_lr_sparse=1e-4,
                 pi_lr_dense=5e-5, mu_lr=1e-4, head_lr=1e-3, kl_pi=0.05, kl_mu=0.05, alpha=0.5,
-                max_new_tokens_pi=32, max_new_tokens_mu=64, obs_chars=300, micro_batch=4,
-                sft_epochs_pi=3, sft_epochs_mu=3, warmup_samples=2, sft_lr_pi=2e-4, sft_lr_mu=2e-4, sft_head_lr=1e-3),
+                max_new_tokens_pi=32, max_new_tokens_mu=128, obs_chars=300, micro_batch=2, gen_batch=16,
+                mu_examples=0, warmup_probe=8, sft_epochs_pi=3, sft_epochs_mu=2, warmup_samples=2,
+                sft_lr_pi=5e-4, sft_lr_mu=3e-4, sft_head_lr=1e-3),
 }
 
 
@@ -260,9 +268,9 @@ def annotate(mu, trajs, args: Args) -> tuple[list, list, torch.Tensor, torch.Ten
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
     mu.eval()
     rubrics = mu.generate_rubrics(contexts, temperature=args.rubric_temperature,
-                                  max_new_tokens=args.max_new_tokens_mu, batch_size=args.micro_batch)
+                                  max_new_tokens=args.max_new_tokens_mu, batch_size=args.gen_batch)
     with torch.no_grad():
-        scores = mu.score(contexts, rubrics, batch_size=args.micro_batch)
+        scores = mu.score(contexts, rubrics, batch_size=args.gen_batch)
     return contexts, rubrics, scores.d.float().cpu(), scores.s.float().cpu()
 
 
@@ -288,6 +296,16 @@ def advantages(trajs, s: torch.Tensor | None, dense: bool, alpha: float) -> tupl
     return A, info
 
 
+class NonFiniteLoss(FloatingPointError):
+    pass
+
+
+def check_finite(name: str, value: float) -> None:
+    """Stop before a NaN or inf loss reaches the weights (the run keeps its last good checkpoint)."""
+    if not math.isfinite(value):
+        raise NonFiniteLoss(f"the {name} loss is {value}")
+
+
 def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_coef: float) -> dict:
     """Alg. 1, lines 33–35: one gradient step on Eq. 3, accumulated over micro-batches."""
     from rubric_model import chat_prompt_ids, encode_response, response_kl, sequence_logprobs
@@ -307,6 +325,7 @@ def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_coe
         total += float(loss.detach())
         kl_sum += float(kl_tokens.detach().sum()) if kl_tokens is not None else 0.0
     if items:
+        check_finite("policy (Eq. 3)", total)
         torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
         optimizer.step()
     pi.model.eval()
@@ -329,15 +348,16 @@ def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
         local = torch.tensor([k for k, i in enumerate(group) for _ in trajs[i].steps])
         ctx, rub = [contexts[i] for i in idx], [rubrics[i] for i in idx]
         R = torch.tensor([trajs[i].reward for i in group])
-        s = mu.score(ctx, rub).s.float().cpu()
-        kl_step = None
-        if args.kl_mu and mu.rubric_mode not in ("static", "none"):
-            kl_step = mu.rubric_kl(ctx, rub).kl.sum(-1).float().cpu()             # Σ_i KL_i per step
+        use_kl = bool(args.kl_mu) and mu.rubric_mode not in ("static", "none")
+        scores, rubric_lp = mu.forward(ctx, rub, text=False, kl=use_kl)             # one shared decoder pass
+        s = scores.s.float().cpu()
+        kl_step = rubric_lp.kl.sum(-1).float().cpu() if use_kl else None            # Σ_i KL_i per step
         loss = rubric_loss(s, local, R, kl_step, args.kl_mu, n_traj, n_steps)        # Eq. 5
         loss.backward()
         total += float(loss.detach())
         mse += float(decomposition_loss(s.detach(), local, R, n_traj))
         kl_sum += float(kl_step.detach().sum()) if kl_step is not None else 0.0
+    check_finite("rubric-model (Eq. 5)", total)
     torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
     optimizer.step()
     mu.eval()
@@ -351,7 +371,7 @@ def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
 def evaluate_policy(pi, examples, args: Args, retriever) -> tuple[dict, list]:
     """Greedy dev evaluation (warmup.evaluate_policy): EM, F1, searches, invalid-step rate."""
     import warmup
-    return warmup.evaluate_policy(pi, examples, retriever, args.max_new_tokens_pi, args.obs_chars, args.micro_batch,
+    return warmup.evaluate_policy(pi, examples, retriever, args.max_new_tokens_pi, args.obs_chars, args.gen_batch,
                                   args.max_searches)
 
 
@@ -387,8 +407,10 @@ def append_jsonl(path: Path, rows: Sequence[dict]) -> None:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
-def save_checkpoint(folder: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: list[dict]) -> None:
-    """π's and μ's adapters (+ μ's score head), optimizer states and the metrics so far.
+def save_checkpoint(folder: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: list[dict],
+                    next_batch: int = 0) -> None:
+    """π's and μ's adapters (+ μ's score head), optimizer states and the metrics so far, as they
+    are after `epoch` (or, with next_batch > 0, after batch next_batch − 1 of `epoch`: Ctrl-C).
     Written to a temporary folder, then renamed: a kill never leaves a half checkpoint."""
     from rubric_model import save_backbone
     tmp = folder.with_name(folder.name + ".tmp")
@@ -397,7 +419,8 @@ def save_checkpoint(folder: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: l
     if mu is not None:
         mu.save(tmp / "mu")
     torch.save({"opt_pi": opt_pi.state_dict(), "opt_mu": opt_mu.state_dict() if opt_mu else None}, tmp / "optim.pt")
-    (tmp / "state.json").write_text(json.dumps({"epoch": epoch, "history": history}, indent=1))
+    (tmp / "state.json").write_text(json.dumps({"epoch": epoch, "next_batch": next_batch, "history": history},
+                                               indent=1))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
 
@@ -437,6 +460,80 @@ def build_models(args: Args, warmup_dir: Path):
     return pi, mu
 
 
+def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, args: Args, retriever,
+              run_dir: Path) -> dict:
+    """One iteration of Algorithm 1 (lines 5–38) on one batch; appends its metrics and traces."""
+    import env
+    torch.manual_seed(args.seed * 1_000_003 + epoch * 1009 + b)   # resumable: sampling seeded per batch
+    row: dict = {"kind": "update", "epoch": epoch, "batch": b, "dense": dense}
+    t0 = time.time()
+    group = [ex for ex in batch for _ in range(args.group_size)]
+    trajs = env.rollout(group, policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch),
+                        retriever, args.max_searches, args.obs_chars)                    # lines 6–14
+    row["seconds_rollout"] = time.time() - t0
+    contexts = rubrics = d = s = None
+    if mu is not None:
+        t0 = time.time()
+        contexts, rubrics, d, s = annotate(mu, trajs, args)                             # lines 15–19
+        row["seconds_mu_annotate"] = time.time() - t0
+    A, info = advantages(trajs, s, dense, args.alpha)                                   # lines 26–32
+    t0 = time.time()
+    row.update(policy_update(pi, opt_pi, trajs, A, args, args.kl_pi))                   # lines 33–35
+    row["seconds_pi_update"] = time.time() - t0
+    if mu is not None:
+        t0 = time.time()
+        row.update(rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))           # lines 36–38
+        row["seconds_mu_update"] = time.time() - t0
+    steps = [st for t in trajs for st in t.steps]
+    row.update(mean_R=sum(t.reward for t in trajs) / len(trajs),
+               invalid_rate=sum(not st.valid for st in steps) / len(steps),
+               mean_s=float(s.mean()) if s is not None else None,
+               rubric_parse_rate=sum(r.parsed for r in rubrics) / len(rubrics) if rubrics else None,
+               mean_G_per_bucket=info.get("mean_G_per_bucket"))
+    append_jsonl(run_dir / "metrics.jsonl", [row])
+    append_jsonl(run_dir / "traces" / f"epoch_{epoch}.jsonl", trace_rows(trajs, epoch, b, rubrics, d, s, A, info))
+    return row
+
+
+class CtrlC:
+    """Ctrl-C during RL: the current batch finishes, a checkpoint is saved, the run exits
+    (--resume continues from the next batch). A second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGINT, self.handler)
+        return self
+
+    def handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\n[arco] Ctrl-C: finishing this batch, then saving a checkpoint (Ctrl-C again to quit at once)",
+              flush=True)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def rewrite_jsonl(path: Path, keep) -> None:
+    """Keep the rows of a JSONL file for which keep(row) is true (what --resume redoes goes)."""
+    if path.exists():
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in read_jsonl(path) if keep(r)))
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The latest finished state: the last epoch checkpoint, or a Ctrl-C checkpoint taken later."""
+    epochs = sorted(int(p.name.split("_")[1]) for p in ckpt_dir.glob("epoch_*") if not p.name.endswith(".tmp"))
+    last = ckpt_dir / f"epoch_{epochs[-1]}" if epochs else None
+    stopped = ckpt_dir / "interrupted"
+    if (stopped / "state.json").is_file():
+        if last is None or json.loads((stopped / "state.json").read_text())["epoch"] > epochs[-1]:
+            return stopped
+    return last
+
+
 def run(args: Args) -> Path:
     """Algorithm 1 end to end; returns the run folder."""
     import env
@@ -458,20 +555,22 @@ def run(args: Args) -> Path:
     opt_mu = torch.optim.AdamW(mu.parameter_groups(args.mu_lr, args.head_lr), weight_decay=0.0) if mu else None
 
     history: list[dict] = []           # one row per evaluation (epoch 0 = before RL = "SFT only")
-    start_epoch = 1
-    finished = sorted(int(p.name.split("_")[1]) for p in ckpt_dir.glob("epoch_*") if not p.name.endswith(".tmp"))
-    if args.resume and finished:
-        last = ckpt_dir / f"epoch_{finished[-1]}"
-        pi, mu, opt_pi, opt_mu, start_epoch, history = resume_from(last, args, opt_pi, opt_mu)
-        keep = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("epoch", 0) < start_epoch]
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in keep))
-        for f in (run_dir / "traces").glob("epoch_*.jsonl"):
-            if int(f.stem.split("_")[1]) >= start_epoch:
-                f.unlink()
-        print(f"[arco] resuming {run_dir} after epoch {start_epoch - 1}", flush=True)
+    start_epoch, start_batch = 1, 0
+    last = latest_checkpoint(ckpt_dir) if args.resume else None
+    if last is not None:
+        pi, mu, opt_pi, opt_mu, start_epoch, start_batch, history = resume_from(last, args)
+        done = lambda r: r.get("epoch", 0) < start_epoch or (r["epoch"] == start_epoch and r["kind"] == "update"
+                                                            and r["batch"] < start_batch)
+        rewrite_jsonl(run_dir / "metrics.jsonl", done)
+        for f in (run_dir / "traces").glob("*epoch_*.jsonl"):
+            if int(f.stem.split("_")[-1]) >= start_epoch:
+                rewrite_jsonl(f, lambda r: not f.name.startswith("eval") and r["batch"] < start_batch
+                              and r["epoch"] == start_epoch)
+        print(f"[arco] resuming {run_dir} at epoch {start_epoch}, batch {start_batch}", flush=True)
     else:
         (run_dir / "metrics.jsonl").write_text("")
         shutil.rmtree(run_dir / "traces", ignore_errors=True)
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
         ev, trajs = evaluate_policy(pi, dev, args, retriever)
         history.append({"epoch": 0, **ev})
         append_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": 0, **ev}])
@@ -479,70 +578,67 @@ def run(args: Args) -> Path:
         print(f"[arco] epoch 0 (SFT only): dev EM {ev['em']:.1f} F1 {ev['f1']:.1f}", flush=True)
 
     from tqdm import tqdm
-    for epoch in range(start_epoch, args.epochs + 1):                                        # Alg. 1, line 3
-        dense = args.reward == "arco" and epoch >= args.dense_start_epoch                      # line 4
-        for g in opt_pi.param_groups:
-            g["lr"] = args.pi_lr_dense if dense else args.pi_lr_sparse
-        order = list(range(len(train)))
-        random.Random(f"{args.seed}-{epoch}").shuffle(order)
-        batches = chunks([train[i] for i in order], args.batch_size)
-        for b, batch in enumerate(tqdm(batches, desc=f"epoch {epoch} ({'dense' if dense else 'sparse'})")):  # line 5
-            torch.manual_seed(args.seed * 1_000_003 + epoch * 1009 + b)   # resumable: sampling seeded per batch
-            row: dict = {"kind": "update", "epoch": epoch, "batch": b, "dense": dense}
-            t0 = time.time()
-            group = [ex for ex in batch for _ in range(args.group_size)]
-            trajs = env.rollout(group, policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi,
-                                                  args.micro_batch), retriever, args.max_searches, args.obs_chars)
-            row["seconds_rollout"] = time.time() - t0                                       # lines 6–14
-            contexts = rubrics = d = s = None
-            if mu is not None:
-                t0 = time.time()
-                contexts, rubrics, d, s = annotate(mu, trajs, args)                         # lines 15–19
-                row["seconds_mu_annotate"] = time.time() - t0
-            A, info = advantages(trajs, s, dense, args.alpha)                               # lines 26–32
-            t0 = time.time()
-            row.update(policy_update(pi, opt_pi, trajs, A, args, args.kl_pi))               # lines 33–35
-            row["seconds_pi_update"] = time.time() - t0
-            if mu is not None:
-                t0 = time.time()
-                row.update(rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))       # lines 36–38
-                row["seconds_mu_update"] = time.time() - t0
-            steps = [st for t in trajs for st in t.steps]
-            row.update(mean_R=sum(t.reward for t in trajs) / len(trajs),
-                       invalid_rate=sum(not st.valid for st in steps) / len(steps),
-                       mean_s=float(s.mean()) if s is not None else None,
-                       rubric_parse_rate=sum(r.parsed for r in rubrics) / len(rubrics) if rubrics else None,
-                       mean_G_per_bucket=info.get("mean_G_per_bucket"))
-            append_jsonl(run_dir / "metrics.jsonl", [row])
-            append_jsonl(run_dir / "traces" / f"epoch_{epoch}.jsonl", trace_rows(trajs, epoch, b, rubrics, d, s, A, info))
-            tqdm.write(f"[arco] epoch {epoch} batch {b}: R {row['mean_R']:.2f} policy loss {row['policy_loss']:+.4f} "
-                       f"KLπ {row['kl_pi']:.4f}" + (f" dec-MSE {row['decomposition_mse']:.4f} KLμ {row['kl_mu']:.4f} "
-                                                    f"s̄ {row['mean_s']:+.3f}" if mu is not None else "")
-                       + f" invalid {row['invalid_rate']:.2f}")
-        ev, trajs = evaluate_policy(pi, dev, args, retriever)
-        history.append({"epoch": epoch, "dense": dense, **ev})
-        append_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": epoch, **ev}])
-        append_jsonl(run_dir / "traces" / f"eval_epoch_{epoch}.jsonl", trace_rows(trajs, epoch, -1))
-        print(f"[arco] epoch {epoch}: dev EM {ev['em']:.1f} F1 {ev['f1']:.1f} invalid {ev['invalid_rate']:.2f}", flush=True)
-        save_checkpoint(ckpt_dir / f"epoch_{epoch}", pi, mu, opt_pi, opt_mu, epoch, history)
+    with CtrlC() as ctrl_c:
+        for epoch in range(start_epoch, args.epochs + 1):                                    # Alg. 1, line 3
+            dense = args.reward == "arco" and epoch >= args.dense_start_epoch                  # line 4
+            for g in opt_pi.param_groups:
+                g["lr"] = args.pi_lr_dense if dense else args.pi_lr_sparse
+            order = list(range(len(train)))
+            random.Random(f"{args.seed}-{epoch}").shuffle(order)
+            batches = chunks([train[i] for i in order], args.batch_size)
+            first = start_batch if epoch == start_epoch else 0
+            bar = tqdm(range(first, len(batches)), desc=f"epoch {epoch} ({'dense' if dense else 'sparse'})")
+            for b in bar:                                                                      # line 5
+                try:
+                    row = iteration(pi, mu, opt_pi, opt_mu, batches[b], epoch, b, dense, args, retriever, run_dir)
+                except NonFiniteLoss as e:
+                    kept = latest_checkpoint(ckpt_dir)
+                    sys.exit(f"error: {e} at epoch {epoch}, batch {b}; nothing of this batch was saved. The last "
+                             f"good checkpoint is {kept or 'none (no epoch finished yet)'}: lower the learning "
+                             f"rates and rerun with --resume.")
+                tqdm.write(f"[arco] epoch {epoch} batch {b}: R {row['mean_R']:.2f} policy loss "
+                           f"{row['policy_loss']:+.4f} KLπ {row['kl_pi']:.4f}"
+                           + (f" dec-MSE {row['decomposition_mse']:.4f} KLμ {row['kl_mu']:.4f} "
+                              f"s̄ {row['mean_s']:+.3f}" if mu is not None else "")
+                           + f" invalid {row['invalid_rate']:.2f}")
+                if ctrl_c.requested and b + 1 < len(batches):
+                    save_checkpoint(ckpt_dir / "interrupted", pi, mu, opt_pi, opt_mu, epoch, history, b + 1)
+                    sys.exit(f"interrupted: checkpoint after epoch {epoch}, batch {b} saved in "
+                             f"{ckpt_dir / 'interrupted'}; rerun the same command with --resume to continue")
+            bar.close()
+            ev, trajs = evaluate_policy(pi, dev, args, retriever)
+            history.append({"epoch": epoch, "dense": dense, **ev})
+            append_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": epoch, **ev}])
+            append_jsonl(run_dir / "traces" / f"eval_epoch_{epoch}.jsonl", trace_rows(trajs, epoch, -1))
+            print(f"[arco] epoch {epoch}: dev EM {ev['em']:.1f} F1 {ev['f1']:.1f} "
+                  f"invalid {ev['invalid_rate']:.2f}", flush=True)
+            save_checkpoint(ckpt_dir / f"epoch_{epoch}", pi, mu, opt_pi, opt_mu, epoch, history)
+            shutil.rmtree(ckpt_dir / "interrupted", ignore_errors=True)
+            if ctrl_c.requested and epoch < args.epochs:
+                sys.exit(f"interrupted: epoch {epoch} is saved in {ckpt_dir / f'epoch_{epoch}'}; rerun the "
+                         f"same command with --resume to continue")
     write_selection(run_dir, history, args)
     write_report(run_dir, history, args)
     return run_dir
 
 
-def resume_from(folder: Path, args: Args, opt_pi, opt_mu):
-    """Rebuild π, μ and their optimizers as they were after the checkpoint's epoch."""
+def resume_from(folder: Path, args: Args):
+    """Rebuild π, μ and their optimizers as they were in a checkpoint; returns them with the
+    epoch and batch to continue from and the evaluation history so far."""
     from rubric_model import RubricModel, load_backbone_checkpoint, trainable_parameters
     pi, _ = load_backbone_checkpoint(folder / "pi", device=args.device)
     mu = RubricModel.load(folder / "mu", device=args.device) if (folder / "mu").is_dir() else None
     state = torch.load(folder / "optim.pt", weights_only=True)
     opt_pi = torch.optim.AdamW(trainable_parameters(pi.model), lr=args.pi_lr_sparse, weight_decay=0.0)
     opt_pi.load_state_dict(state["opt_pi"])
+    opt_mu = None
     if mu is not None:
         opt_mu = torch.optim.AdamW(mu.parameter_groups(args.mu_lr, args.head_lr), weight_decay=0.0)
         opt_mu.load_state_dict(state["opt_mu"])
     saved = json.loads((folder / "state.json").read_text())
-    return pi, mu, opt_pi, opt_mu, saved["epoch"] + 1, saved["history"]
+    if saved.get("next_batch"):
+        return pi, mu, opt_pi, opt_mu, saved["epoch"], saved["next_batch"], saved["history"]
+    return pi, mu, opt_pi, opt_mu, saved["epoch"] + 1, 0, saved["history"]
 
 
 def select_checkpoint(history: list[dict], dense_start_epoch: int) -> dict:

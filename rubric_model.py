@@ -449,35 +449,58 @@ class ResponseLogprobs:
         return self.logprobs.sum(-1)
 
 
+def response_positions(prompt_lens: Sequence[int], response_lens: Sequence[int], device):
+    """Where the responses sit in right-padded (prompt + response) rows: the [B, R] mask of real
+    response tokens and, row-major over that mask, each token's row and the position that
+    predicts it (the one before it)."""
+    p_len = torch.tensor(list(prompt_lens), device=device)
+    r_len = torch.tensor(list(response_lens), device=device)
+    steps = torch.arange(max(1, int(r_len.max())), device=device)
+    resp_mask = steps[None, :] < r_len[:, None]                             # [B, R]
+    rows = torch.arange(len(p_len), device=device)[:, None].expand_as(resp_mask)[resp_mask]
+    pos = (p_len[:, None] - 1 + steps[None, :])[resp_mask]                  # predicts the token at pos + 1
+    return resp_mask, rows, pos
+
+
+def logprobs_from_hidden(bb: Backbone, hidden: torch.Tensor, ids: torch.Tensor, prompt_lens: Sequence[int],
+                         response_lens: Sequence[int], return_logits: bool = False) -> ResponseLogprobs:
+    """log p(response tokens | prompt) from a pass already made over right-padded (prompt +
+    response) rows: only the positions that predict a response token go through the LM head —
+    on SmolLM2 the 49k-word projection is about half the cost of a full pass."""
+    resp_mask, rows, pos = response_positions(prompt_lens, response_lens, hidden.device)
+    with bb.autocast():
+        logits = bb.model.get_output_embeddings()(hidden[rows, pos]).float()  # [N, V], response positions only
+    token_logp = -F.cross_entropy(logits, ids[rows, pos + 1], reduction="none")
+    logprobs = torch.zeros(resp_mask.shape, device=hidden.device, dtype=token_logp.dtype)
+    logprobs = logprobs.masked_scatter(resp_mask, token_logp)
+    return ResponseLogprobs(logprobs, resp_mask, logits if return_logits else None)
+
+
 def sequence_logprobs(bb: Backbone, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                       return_logits: bool = False) -> ResponseLogprobs:
-    """log p(response tokens | prompt) for a batch of (prompt, response) pairs.
-
-    One right-padded forward pass of the decoder; then the hidden states of exactly the
-    positions that predict a response token are gathered (the token before each response
-    token) and only those go through the LM head — on SmolLM2 the 49k-word projection is
-    about half the cost of a full pass. Gradients flow when grad is enabled.
-    """
+    """log p(response tokens | prompt) for a batch of (prompt, response) pairs: one
+    right-padded forward pass of the decoder, the LM head on response positions only
+    (logprobs_from_hidden). Gradients flow when grad is enabled."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token")
-    device = bb.device
     ids, mask = pad_right([list(p) + list(r) for p, r in zip(prompt_ids, response_ids)],
-                          bb.tokenizer.pad_token_id, device)
+                          bb.tokenizer.pad_token_id, bb.device)
     hidden = last_hidden_states(bb, ids, mask)                              # [B, L, H]
-    p_len = torch.tensor([len(p) for p in prompt_ids], device=device)
-    r_len = torch.tensor([len(r) for r in response_ids], device=device)
-    steps = torch.arange(max(1, int(r_len.max())), device=device)
-    resp_mask = steps[None, :] < r_len[:, None]                             # [B, R]
-    rows = torch.arange(len(ids), device=device)[:, None].expand_as(resp_mask)[resp_mask]
-    pos = (p_len[:, None] - 1 + steps[None, :])[resp_mask]                  # predicts the token at pos + 1
-    with bb.autocast():
-        logits = bb.model.get_output_embeddings()(hidden[rows, pos]).float()  # [N, V], response positions only
-    token_logp = -F.cross_entropy(logits, ids[rows, pos + 1], reduction="none")
-    logprobs = torch.zeros(resp_mask.shape, device=device, dtype=token_logp.dtype)
-    logprobs = logprobs.masked_scatter(resp_mask, token_logp)
-    return ResponseLogprobs(logprobs, resp_mask, logits if return_logits else None)
+    return logprobs_from_hidden(bb, hidden, ids, [len(p) for p in prompt_ids], [len(r) for r in response_ids],
+                                return_logits)
+
+
+def with_kl(bb: Backbone, current: ResponseLogprobs, prompt_ids: Sequence[Sequence[int]],
+            response_ids: Sequence[Sequence[int]]) -> ResponseLogprobs:
+    """Adds to `current` (made with return_logits) the per-token KL(p_θ ‖ p_ref) of every response
+    token, p_ref being the same backbone with its adapter disabled (one no-grad reference pass)."""
+    with torch.no_grad(), reference(bb):
+        ref = sequence_logprobs(bb, prompt_ids, response_ids, return_logits=True)
+    kl = token_kl(current.logits, ref.logits)                                # [N]
+    current.kl = torch.zeros(current.mask.shape, device=kl.device, dtype=kl.dtype).masked_scatter(current.mask, kl)
+    return current
 
 
 def token_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
@@ -494,13 +517,9 @@ def token_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
 def response_kl(bb: Backbone, prompt_ids: Sequence[Sequence[int]],
                 response_ids: Sequence[Sequence[int]]) -> ResponseLogprobs:
     """Log-probs under p_θ (with grad) and the per-token KL(p_θ ‖ p_ref) of every response
-    token (Eq. 5), p_ref being the same backbone with its adapter disabled."""
+    token (Eq. 3's π_ref term, Eq. 5's μ_ref term), p_ref = the backbone with its adapter disabled."""
     current = sequence_logprobs(bb, prompt_ids, response_ids, return_logits=True)
-    with torch.no_grad(), reference(bb):
-        ref = sequence_logprobs(bb, prompt_ids, response_ids, return_logits=True)
-    kl = token_kl(current.logits, ref.logits)                                # [N]
-    current.kl = torch.zeros(current.mask.shape, device=kl.device, dtype=kl.dtype).masked_scatter(current.mask, kl)
-    return current
+    return with_kl(bb, current, prompt_ids, response_ids)
 
 
 # ----------------------------------------------------------------------------------------
@@ -540,8 +559,11 @@ RUBRIC_MODES = ("adaptive", "prefix-free", "static", "none")
 # entity, relation or missing evidence a search targets, and say when a step is judged as a
 # final answer. Two worked examples (earlier chat turns: a first-hop search and a finish)
 # and opening μ's reply with `["` are what let an untrained small backbone write the JSON at
-# all (measured: see README); the examples cost ~220 prompt tokens per step. An untrained
-# SmolLM2 still copies much of the last example's wording: the warmup SFT teaches content.
+# all (measured: see README). The examples cost ~400 prompt tokens per step at K = 3 (the
+# prompt is ~190 tokens without them) and μ's cost grows with its prompt, so how many are
+# shown is a setting of μ (`examples`, saved with it): two for an untrained μ, none once the
+# warmup SFT has taught the format (arco.py's presets). An untrained SmolLM2 still copies
+# much of the last example's wording: the warmup SFT teaches content.
 RUBRIC_SYSTEM = (
     "You review the steps of a search agent. The agent answers questions that need two or more facts. "
     "At each step it does one thing: Search[query], which returns one passage, or Finish[answer], which "
@@ -626,13 +648,13 @@ def step_text(ctx: StepContext, with_prefix: bool = True) -> str:
             f"Searches left: {ctx.searches_left}\n\nStep to grade: {ctx.action}")
 
 
-def rubric_messages(ctx: StepContext, k: int, mode: str = "adaptive") -> list[dict]:
+def rubric_messages(ctx: StepContext, k: int, mode: str = "adaptive", examples: int = 2) -> list[dict]:
     """Chat messages of μ's rubric prompt for one step (adaptive, prefix-free and static):
-    the two worked examples as earlier turns, then the step to grade."""
+    the first `examples` worked examples as earlier turns, then the step to grade."""
     with_prefix = mode != "prefix-free"
     instruction = "\n\n" + RUBRIC_INSTRUCTION.format(k=k)
     messages = [{"role": "system", "content": RUBRIC_SYSTEM}]
-    for step, criteria in EXAMPLES:
+    for step, criteria in EXAMPLES[:examples]:
         messages += [{"role": "user", "content": step_text(StepContext(*step), with_prefix) + instruction},
                      {"role": "assistant", "content": json.dumps(criteria[:k])}]
     return messages + [{"role": "user", "content": step_text(ctx, with_prefix) + instruction}]
@@ -716,12 +738,15 @@ class RubricModel:
     """
 
     def __init__(self, backbone: Backbone, k: int = 3, rubric_mode: str = "adaptive", head_hidden: int = 256,
-                 static_criteria: Sequence[str] | None = None):
+                 static_criteria: Sequence[str] | None = None, examples: int = 2):
         if rubric_mode not in RUBRIC_MODES:
             raise ValueError(f"rubric_mode must be one of {RUBRIC_MODES}, got {rubric_mode!r}")
         if not 1 <= k <= len(STATIC_CRITERIA):
             raise ValueError(f"K must be between 1 and {len(STATIC_CRITERIA)}, got {k}")
+        if not 0 <= examples <= len(EXAMPLES):
+            raise ValueError(f"examples must be between 0 and {len(EXAMPLES)}, got {examples}")
         self.backbone, self.k, self.rubric_mode, self.head_hidden = backbone, k, rubric_mode, head_hidden
+        self.examples = examples        # worked examples shown in the rubric prompt
         self.static_criteria = list(static_criteria or STATIC_CRITERIA)[:k]
         if rubric_mode == "static" and len(self.static_criteria) < k:
             raise ValueError(f"static mode needs {k} criteria, got {len(self.static_criteria)}")
@@ -735,7 +760,7 @@ class RubricModel:
         tok = self.backbone.tokenizer
         if self.rubric_mode == "none":
             return chat_prompt_ids(tok, score_only_messages(ctx), add_generation_prompt=False)
-        return (chat_prompt_ids(tok, rubric_messages(ctx, self.k, self.rubric_mode))
+        return (chat_prompt_ids(tok, rubric_messages(ctx, self.k, self.rubric_mode, self.examples))
                 + tok(RUBRIC_OPENING, add_special_tokens=False)["input_ids"])
 
     def rubric_from_criteria(self, criteria: Sequence[str]) -> Rubric:
@@ -810,7 +835,31 @@ class RubricModel:
             d = torch.cat(parts)[torch.argsort(torch.tensor(order, device=parts[0].device))]
         return StepScores(d, d.mean(-1))                                         # Eq. 2: s_t = mean_j d_{t,j}
 
-    # -- LM-head terms of the losses -------------------------------------------------------
+    def forward(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric], text: bool = True,
+                kl: bool = False) -> tuple[StepScores, ResponseLogprobs | None]:
+        """Both heads from ONE decoder pass over (q, h_t, a_t, r_t): d_t and s_t (Eq. 2) from the
+        mean-pooled hidden states, and log p_θ(r_t | q, h_t, a_t) per rubric token (Eq. 7's text
+        term) from the same hidden states at the rubric positions; with `kl`, also the per-token
+        KL(p_θ ‖ p_θref) of Eq. 5 (one more, no-grad pass of the reference). The losses of Eq. 5
+        and Eq. 7 need both heads on the same sequence: one shared pass halves μ's training cost.
+        Modes without generated rubrics ('static', 'none') have no text term: None."""
+        ids_list = self.scoring_ids(contexts, list(rubrics))
+        ids, mask = pad_right(ids_list, self.backbone.tokenizer.pad_token_id, self.backbone.device)
+        hidden = last_hidden_states(self.backbone, ids, mask)
+        d = self.head(mean_pool(hidden.float(), mask))                           # Eq. 2
+        scores = StepScores(d, d.mean(-1))
+        if not (text or kl) or self.rubric_mode in ("static", "none"):
+            return scores, None
+        r_lens = [len(r.token_ids) for r in rubrics]
+        p_lens = [len(x) - n for x, n in zip(ids_list, r_lens)]
+        out = logprobs_from_hidden(self.backbone, hidden, ids, p_lens, r_lens, return_logits=kl)
+        if kl:
+            prompts = [x[:p] for x, p in zip(ids_list, p_lens)]
+            out = with_kl(self.backbone, out, prompts, [r.token_ids for r in rubrics])
+            out.logits = None
+        return scores, out
+
+    # -- LM-head terms of the losses, alone -------------------------------------------------
     def rubric_logprobs(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric]) -> ResponseLogprobs:
         """log p_θ(r_t | q, h_t, a_t) per rubric token: Eq. 7's rubric text loss is −sums()."""
         return sequence_logprobs(self.backbone, [self.prompt_ids(c) for c in contexts],
@@ -842,7 +891,7 @@ class RubricModel:
     # -- save / load ---------------------------------------------------------------------
     def config(self) -> dict:
         return {"k": self.k, "rubric_mode": self.rubric_mode, "head_hidden": self.head_hidden,
-                "static_criteria": self.static_criteria}
+                "static_criteria": self.static_criteria, "examples": self.examples}
 
     def save(self, path: str | os.PathLike) -> Path:
         """Adapters (peft format) + score head (safetensors) + config JSON; see save_backbone."""
@@ -861,7 +910,7 @@ class RubricModel:
         if mu_config is None:
             raise ValueError(f"{Path(path) / 'config.json'} is a backbone checkpoint without a rubric model")
         mu = cls(bb, mu_config["k"], mu_config["rubric_mode"], mu_config["head_hidden"],
-                 mu_config["static_criteria"])
+                 mu_config["static_criteria"], mu_config.get("examples", 2))
         state = load_file(str(Path(path) / "score_head.safetensors"), device=str(bb.device))
         mu.head.load_state_dict(state)
         return mu
@@ -895,7 +944,9 @@ def save_backbone(bb: Backbone, path: str | os.PathLike, extra: dict | None = No
     if _is_peft(bb.model):
         cfg = bb.model.peft_config["default"]
         cfg.base_model_name_or_path = bb.name      # not this machine's cache path
-        bb.model.save_pretrained(str(path / "adapter"))
+        # save_embedding_layers=False: LoRA never targets the embeddings, and the default
+        # ("auto") makes peft look up the base model's config on the Hub at every save.
+        bb.model.save_pretrained(str(path / "adapter"), save_embedding_layers=False)
         adapter = {"r": cfg.r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
                    "targets": sorted(cfg.target_modules)}
     config = {"format": CHECKPOINT_FORMAT, "base_model": bb.name, "merged_adapters": len(bb.merged),

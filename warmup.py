@@ -116,6 +116,10 @@ class Args:
     max_new_tokens: int = field(default=64, metadata={"help": "π's max new tokens per action in the dev evaluation"})
     eval_size: int = field(default=500, metadata={"help": "dev questions for the base / SFT-only evaluation (paper: 500)"})
     probe_size: int = field(default=32, metadata={"help": "μ SFT items on which Eq. 7's two terms are shown before/after"})
+    gen_batch: int = field(default=16, metadata={"help": "prompts per generation batch in the dev evaluation"})
+    mu_examples: int = field(default=0, metadata={
+        "help": "worked examples in μ's rubric prompt (0-2); each costs ~200 tokens per step, and the SFT "
+                "teaches the format, so none by default", "choices": [0, 1, 2]})
 
 
 # ----------------------------------------------------------------------------------------
@@ -1184,12 +1188,9 @@ def rubric_sft_loss(mu, items: Sequence[dict], lam: float):
     the rubric text target or replace it with a fixed rubric". Returns (loss, text, score).
     """
     contexts, rubrics, targets = rubric_items(mu, items)
-    d = mu.score(contexts, rubrics).d.float()
-    score = ((d - targets) ** 2).sum(-1).mean()
-    if mu.rubric_mode in ("adaptive", "prefix-free"):
-        text = -mu.rubric_logprobs(contexts, rubrics).sums().float().mean()
-    else:
-        text = score.new_zeros(())
+    scores, logprobs = mu.forward(contexts, rubrics)         # both heads, one decoder pass
+    score = ((scores.d.float() - targets) ** 2).sum(-1).mean()
+    text = -logprobs.sums().float().mean() if logprobs is not None else score.new_zeros(())
     return text + lam * score, text, score
 
 
@@ -1262,15 +1263,15 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     metrics: dict = {"dataset": args.dataset, "dev_questions": len(dev)}
     pi = load_backbone(args.model, device=args.device)
     print(f"[warmup] evaluating the base policy ({args.model}) on {len(dev)} dev questions", flush=True)
-    metrics["base"], _ = evaluate_policy(pi, dev, retriever, args.max_new_tokens, args.obs_chars, args.sft_batch_size)
+    metrics["base"], _ = evaluate_policy(pi, dev, retriever, args.max_new_tokens, args.obs_chars, args.gen_batch)
     metrics["pi_sft_loss_per_epoch"] = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi,
                                                         args.sft_batch_size, args.seed, args.progress, args.micro_batch)
     save_backbone(pi, out_dir / "pi_sft")
-    metrics["sft_only"], _ = evaluate_policy(pi, dev, retriever, args.max_new_tokens, args.obs_chars, args.sft_batch_size)
+    metrics["sft_only"], _ = evaluate_policy(pi, dev, retriever, args.max_new_tokens, args.obs_chars, args.gen_batch)
     print(f"[warmup] dev EM: base {metrics['base']['em']:.1f} -> SFT only {metrics['sft_only']['em']:.1f}", flush=True)
     del pi
     mu_backbone = load_backbone(args.mu_model or args.model, device=args.device)
-    mu = RubricModel(mu_backbone, k=args.K, rubric_mode=args.rubric_mode)
+    mu = RubricModel(mu_backbone, k=args.K, rubric_mode=args.rubric_mode, examples=args.mu_examples)
     probe = list(mu_items[:args.probe_size])
     metrics["mu_sft_terms_before"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch)
     metrics["mu_sft_loss_per_epoch"] = train_rubric_sft(mu, mu_items, args.sft_epochs_mu, args.sft_lr_mu,
@@ -1378,7 +1379,8 @@ def run_from_arco(a, out_dir: Path) -> Path:
                 rubric_mode=a.rubric, device=a.device, sft_epochs_pi=a.sft_epochs_pi, sft_epochs_mu=a.sft_epochs_mu,
                 sft_lr_pi=a.sft_lr_pi, sft_lr_mu=a.sft_lr_mu, sft_head_lr=a.sft_head_lr,
                 micro_batch=a.micro_batch, max_new_tokens=a.max_new_tokens_pi, eval_size=a.eval_size,
-                obs_chars=a.obs_chars)
+                obs_chars=a.obs_chars, gen_batch=a.gen_batch, mu_examples=a.mu_examples,
+                probe_size=a.warmup_probe)
     return run(args)
 
 

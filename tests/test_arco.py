@@ -101,30 +101,89 @@ def test_outcome_baseline_has_no_mu(tiny_run, tiny_dir):
     assert not (run / "checkpoints" / "epoch_1" / "mu").exists()
 
 
-def test_resume_after_a_kill_mid_epoch(tiny_run, tiny_dir, monkeypatch):
-    warm = tiny_run / "synthetic" / "warmup"
-    real_update = arco.rubric_update
+def evals(run):
+    return [(r["epoch"], r["em"], r["f1"], r["invalid_rate"]) for r in read_jsonl(run / "metrics.jsonl")
+            if r["kind"] == "eval"]
+
+
+def updates(run):
+    return [(r["epoch"], r["batch"], r["mean_R"], round(r["policy_loss"], 5), round(r["decomposition_mse"], 5))
+            for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "update"]
+
+
+def failing_on_call(real, n, action):
+    """`real`, except that its n-th call first does `action` (raise, send a signal, ...)."""
     calls = {"n": 0}
 
-    def dying_update(*a, **kw):
+    def wrapped(*a, **kw):
         calls["n"] += 1
-        if calls["n"] == 3:                                    # epoch 2, batch 0: killed mid-epoch
-            raise KeyboardInterrupt
-        return real_update(*a, **kw)
-    monkeypatch.setattr(arco, "rubric_update", dying_update)
-    with pytest.raises(KeyboardInterrupt):
+        if calls["n"] == n:
+            action()
+        return real(*a, **kw)
+    return wrapped
+
+
+def test_resume_after_a_kill_mid_epoch(tiny_run, tiny_dir, monkeypatch):
+    """A hard kill (nothing saved) in epoch 2: --resume redoes epoch 2 from the epoch-1 checkpoint."""
+    warm = tiny_run / "synthetic" / "warmup"
+
+    def kill():
+        raise RuntimeError("simulated kill")
+    real_update = arco.rubric_update
+    monkeypatch.setattr(arco, "rubric_update", failing_on_call(real_update, 3, kill))   # epoch 2, batch 0
+    with pytest.raises(RuntimeError, match="simulated kill"):
         arco.main(tiny_args(tiny_dir, tiny_run, name="killed", warmup_dir=warm))
     monkeypatch.setattr(arco, "rubric_update", real_update)
     with pytest.raises(SystemExit, match="--resume"):             # never overwritten by accident
         arco.main(tiny_args(tiny_dir, tiny_run, name="killed", warmup_dir=warm))
     arco.main(tiny_args(tiny_dir, tiny_run, name="killed", warmup_dir=warm, resume=True))
+    run, ref = tiny_run / "synthetic" / "killed", tiny_run / "synthetic" / "arco"
+    assert evals(run) == evals(ref)
+    assert updates(run) == updates(ref)
+    assert len(read_jsonl(run / "traces" / "epoch_2.jsonl")) == 8          # redone rows are not duplicated
 
-    def evals(name):
-        return [(r["epoch"], r["em"], r["f1"], r["invalid_rate"]) for r in
-                read_jsonl(tiny_run / "synthetic" / name / "metrics.jsonl") if r["kind"] == "eval"]
 
-    def updates(name):
-        return [(r["epoch"], r["batch"], r["mean_R"], round(r["decomposition_mse"], 5)) for r in
-                read_jsonl(tiny_run / "synthetic" / name / "metrics.jsonl") if r["kind"] == "update"]
-    assert evals("killed") == evals("arco")
-    assert updates("killed") == updates("arco")
+def test_ctrl_c_finishes_the_batch_saves_and_resumes_from_the_next_one(tiny_run, tiny_dir, monkeypatch):
+    """Ctrl-C (SIGINT) in epoch 2, batch 0: the batch finishes, a checkpoint is saved, the run exits;
+    --resume continues at batch 1 and ends exactly where the uninterrupted run ended."""
+    import os
+    import signal
+    warm = tiny_run / "synthetic" / "warmup"
+    real_update = arco.rubric_update
+    monkeypatch.setattr(arco, "rubric_update",
+                        failing_on_call(real_update, 3, lambda: os.kill(os.getpid(), signal.SIGINT)))
+    with pytest.raises(SystemExit, match="interrupted.*--resume"):
+        arco.main(tiny_args(tiny_dir, tiny_run, name="ctrl-c", warmup_dir=warm))
+    run, ref = tiny_run / "synthetic" / "ctrl-c", tiny_run / "synthetic" / "arco"
+    state = json.loads((run / "checkpoints" / "interrupted" / "state.json").read_text())
+    assert (state["epoch"], state["next_batch"]) == (2, 1)
+    assert updates(run) == updates(ref)[:3]                                   # batch 0 of epoch 2 finished
+    monkeypatch.setattr(arco, "rubric_update", real_update)
+    seen = []
+    real_iteration = arco.iteration
+    monkeypatch.setattr(arco, "iteration", lambda *a, **kw: seen.append(a[5:7]) or real_iteration(*a, **kw))
+    arco.main(tiny_args(tiny_dir, tiny_run, name="ctrl-c", warmup_dir=warm, resume=True))
+    assert seen == [(2, 1)]                                                  # only what was left
+    assert evals(run) == evals(ref) and updates(run) == updates(ref)
+    assert not (run / "checkpoints" / "interrupted").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # handler restored
+
+
+def test_a_nan_loss_stops_with_a_clear_message_and_keeps_the_last_checkpoint(tiny_run, tiny_dir, monkeypatch):
+    warm = tiny_run / "synthetic" / "warmup"
+    real_loss, real_update = arco.rubric_loss, arco.rubric_update
+    batches = {"n": 0}
+
+    def counting_update(*a, **kw):
+        batches["n"] += 1
+        return real_update(*a, **kw)
+
+    def nan_from_epoch_2(*a, **kw):                                 # batches 1-2 are epoch 1
+        loss = real_loss(*a, **kw)
+        return loss * float("nan") if batches["n"] >= 3 else loss
+    monkeypatch.setattr(arco, "rubric_update", counting_update)
+    monkeypatch.setattr(arco, "rubric_loss", nan_from_epoch_2)
+    with pytest.raises(SystemExit, match=r"rubric-model \(Eq. 5\) loss is nan at epoch 2, batch 0.*epoch_1"):
+        arco.main(tiny_args(tiny_dir, tiny_run, name="nan", warmup_dir=warm))
+    ckpts = tiny_run / "synthetic" / "nan" / "checkpoints"
+    assert (ckpts / "epoch_1" / "state.json").is_file() and not (ckpts / "epoch_2").exists()

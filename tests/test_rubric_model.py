@@ -324,6 +324,46 @@ def test_adaptive_rubrics_are_generated_and_scored(tiny):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in groups[0]["params"])
 
 
+def test_shared_pass_equals_the_separate_passes(tiny):
+    """mu.forward: one decoder pass gives the same d_t (Eq. 2), rubric log-probs (Eq. 7) and
+    rubric-token KL (Eq. 5) as score(), rubric_logprobs() and rubric_kl() run one by one,
+    and its gradient reaches both the score head and the adapter."""
+    torch.manual_seed(3)
+    add_lora(tiny)
+    perturb_lora(tiny, seed=4, scale=0.05)                      # so the KL is not zero
+    tiny.model.eval()
+    mu = RubricModel(tiny, k=3, examples=1)
+    rubrics = [mu.rubric_from_criteria(["find a", "then b", "answer c"]),
+               mu.rubric_from_criteria(["one"]), mu.rubric_from_criteria(["x", "y"])]
+    with torch.no_grad():
+        scores, lp = mu.forward(CTX, rubrics, kl=True)
+        alone_d = mu.score(CTX, rubrics).d
+        alone_lp = mu.rubric_logprobs(CTX, rubrics)
+        alone_kl = mu.rubric_kl(CTX, rubrics)
+    assert torch.allclose(scores.d, alone_d, atol=1e-5) and torch.allclose(scores.s, alone_d.mean(-1), atol=1e-5)
+    assert torch.equal(lp.mask, alone_lp.mask)
+    assert torch.allclose(lp.logprobs, alone_lp.logprobs, atol=1e-4)
+    assert torch.allclose(lp.kl, alone_kl.kl, atol=1e-5) and float(lp.kl.sum()) > 1e-4
+    assert lp.logits is None                                    # not kept: [N, V] is large
+    scores, lp = mu.forward(CTX, rubrics)
+    (scores.s.sum() - lp.sums().sum() / 100).backward()
+    groups = mu.parameter_groups(lr=1e-5, head_lr=5e-4)
+    assert all(p.grad is not None for p in groups[1]["params"])
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in groups[0]["params"])
+    static = RubricModel(tiny, k=3, rubric_mode="static")
+    assert static.forward(CTX, static.generate_rubrics(CTX), kl=True)[1] is None
+
+
+def test_worked_examples_are_a_saved_setting(tiny, tmp_path):
+    """How many worked examples μ's prompt shows changes the prompt, and is saved with μ."""
+    lengths = [len(RubricModel(tiny, k=3, examples=n).prompt_ids(CTX[0])) for n in (0, 1, 2)]
+    assert lengths[0] < lengths[1] < lengths[2]
+    with pytest.raises(ValueError, match="examples"):
+        RubricModel(tiny, k=3, examples=3)
+    RubricModel(tiny, k=3, examples=0).save(tmp_path / "mu")
+    assert RubricModel.load(tmp_path / "mu", device="cpu").examples == 0
+
+
 # ----------------------------------------------------------------------------- save / load
 def test_save_load_gives_identical_scores_and_greedy_generations(tiny, tmp_path):
     torch.manual_seed(6)
