@@ -55,8 +55,8 @@ class Args:
     name: str = field(default="", metadata={"help": "run name under runs/<dataset>/ (default: from --reward/--rubric/--k)"})
     out_dir: str = field(default="runs", metadata={"help": "root folder of all runs"})
     data_dir: str = field(default="", metadata={"help": "data folder (else $ARCO_DATA_DIR, else a download)"})
-    warmup_dir: str = field(default="", metadata={"help": "reuse this warmup (holding pi_sft/ and mu_sft/); "
-                                                           "default runs/<dataset>/warmup, run first if missing"})
+    warmup_dir: str = field(default="", metadata={"help": "the warmup folder (pi_sft/, mu_sft*/; default "
+                                                           "runs/<dataset>/warmup); what is missing is trained first"})
     resume: bool = field(default=False, metadata={"help": "continue a killed run from its last finished epoch"})
     seed: int = field(default=0, metadata={"help": "seed of data sampling, shuffling and sampling"})
     reward: str = field(default="arco", metadata={"help": "arco (μ's dense rewards after the sparse epochs) or "
@@ -114,10 +114,10 @@ PRESETS = {
                   kl_pi=0.05, kl_mu=0.05, alpha=0.5, max_new_tokens_pi=64, max_new_tokens_mu=128,
                   obs_chars=600, micro_batch=16, gen_batch=64, mu_examples=0, warmup_probe=32,
                   sft_epochs_pi=6, sft_epochs_mu=10, warmup_samples=4, sft_lr_pi=1e-5, sft_lr_mu=5e-5, sft_head_lr=1e-3),
-    "cpu": dict(model="embedded", train_size=12, eval_size=20, epochs=2, dense_start_epoch=2, batch_size=4,
+    "cpu": dict(model="embedded", train_size=8, eval_size=20, epochs=2, dense_start_epoch=2, batch_size=4,
                 group_size=2, rollout_temperature=0.7, rubric_temperature=0.7, pi_lr_sparse=1e-4,
                 pi_lr_dense=5e-5, mu_lr=1e-4, head_lr=1e-3, kl_pi=0.05, kl_mu=0.05, alpha=0.5,
-                max_new_tokens_pi=32, max_new_tokens_mu=128, obs_chars=300, micro_batch=2, gen_batch=16,
+                max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300, micro_batch=2, gen_batch=16,
                 mu_examples=0, warmup_probe=8, sft_epochs_pi=3, sft_epochs_mu=2, warmup_samples=2,
                 sft_lr_pi=5e-4, sft_lr_mu=3e-4, sft_head_lr=1e-3),
 }
@@ -375,6 +375,25 @@ def evaluate_policy(pi, examples, args: Args, retriever) -> tuple[dict, list]:
                                   args.max_searches)
 
 
+def warmup_evaluation(warmup_dir: Path, args: Args) -> tuple[dict | None, list[dict]]:
+    """The warmup's SFT-only dev evaluation, when it was made with this run's settings: epoch 0
+    is then not evaluated again. (π at epoch 0 is π_sft plus a fresh LoRA whose B = 0, which
+    adds exact zeros: greedy decoding gives the same trajectories; tests/test_arco.py checks it.)"""
+    import warmup
+    path = warmup_dir / "metrics.json"
+    metrics = json.loads(path.read_text()) if path.is_file() else {}
+    wanted = warmup.eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars, args.gen_batch)
+    traces = warmup_dir / "eval_sft_only.jsonl"
+    if args.max_searches is not None or metrics.get("sft_only_settings") != wanted or not traces.is_file():
+        return None, []
+    rows = [{**r, "epoch": 0, "batch": -1} for r in read_jsonl(traces)]
+    for r in rows:
+        for st in r["steps"]:
+            st["observation"] = st["observation"][:160]
+    print(f"[arco] epoch 0 (SFT only): the warmup's evaluation, same settings ({traces})", flush=True)
+    return metrics["sft_only"], rows
+
+
 def trace_rows(trajs, epoch: int, batch: int, rubrics=None, d=None, s=None, A=None, info=None) -> list[dict]:
     """One JSON row per trajectory: every step's action, observation head, criteria, d_t, s_t, G_t, A_t."""
     rows, at = [], 0
@@ -430,14 +449,23 @@ def save_checkpoint(folder: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: l
 # ----------------------------------------------------------------------------------------
 
 def ensure_warmup(args: Args) -> Path:
-    """π_sft/ and μ_sft/ of the warmup (§3.2, App. B); runs the offline oracle warmup if missing."""
-    folder = Path(args.warmup_dir or Path(args.out_dir) / args.dataset / "warmup")
-    if (folder / "pi_sft" / "config.json").is_file() and (folder / "mu_sft" / "config.json").is_file():
-        return folder
-    print(f"[arco] no warmup in {folder}: running the offline oracle warmup first (warmup.py)", flush=True)
+    """π_sft/ and the μ this run needs (warmup.mu_dir_name) of the warmup (§3.2, App. B): the
+    offline oracle warmup runs for whatever is missing. Runs that differ only in μ (the ablations,
+    K, --mu-model) share one collection and one π SFT."""
     import warmup
-    warmup.run_from_arco(args, folder)
+    folder = Path(args.warmup_dir or Path(args.out_dir) / args.dataset / "warmup")
+    need = ["pi_sft"] + ([] if args.reward == "outcome" else [mu_folder(args)])
+    missing = [n for n in need if not (folder / n / "config.json").is_file()]
+    if missing:
+        print(f"[arco] {folder} has no {' or '.join(m + '/' for m in missing)}: running the offline oracle "
+              f"warmup first (warmup.py)", flush=True)
+        warmup.run_from_arco(args, folder)
     return folder
+
+
+def mu_folder(args: Args) -> str:
+    from warmup import mu_dir_name
+    return mu_dir_name(args.rubric, args.k, args.mu_model, args.model)
 
 
 def build_models(args: Args, warmup_dir: Path):
@@ -450,10 +478,10 @@ def build_models(args: Args, warmup_dir: Path):
     add_lora(pi)
     if args.reward == "outcome":
         return pi, None
-    mu = RubricModel.load(warmup_dir / "mu_sft", device=args.device)
+    mu = RubricModel.load(warmup_dir / mu_folder(args), device=args.device)
     if mu.rubric_mode != args.rubric or mu.k != args.k:
-        sys.exit(f"error: the warmup μ in {warmup_dir / 'mu_sft'} has rubric_mode={mu.rubric_mode}, K={mu.k}, "
-                 f"but this run asks for --rubric {args.rubric} --k {args.k}: pass a matching --warmup-dir")
+        sys.exit(f"error: the warmup μ in {warmup_dir / mu_folder(args)} has rubric_mode={mu.rubric_mode}, "
+                 f"K={mu.k}, but this run asks for --rubric {args.rubric} --k {args.k}")
     if hasattr(mu.backbone.model, "peft_config"):
         merge_lora(mu.backbone)
     add_lora(mu.backbone)
@@ -571,10 +599,13 @@ def run(args: Args) -> Path:
         (run_dir / "metrics.jsonl").write_text("")
         shutil.rmtree(run_dir / "traces", ignore_errors=True)
         shutil.rmtree(ckpt_dir, ignore_errors=True)
-        ev, trajs = evaluate_policy(pi, dev, args, retriever)
+        ev, rows = warmup_evaluation(warmup_dir, args)
+        if ev is None:
+            ev, trajs = evaluate_policy(pi, dev, args, retriever)
+            rows = trace_rows(trajs, 0, -1)
         history.append({"epoch": 0, **ev})
         append_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": 0, **ev}])
-        append_jsonl(run_dir / "traces" / "eval_epoch_0.jsonl", trace_rows(trajs, 0, -1))
+        append_jsonl(run_dir / "traces" / "eval_epoch_0.jsonl", rows)
         print(f"[arco] epoch 0 (SFT only): dev EM {ev['em']:.1f} F1 {ev['f1']:.1f}", flush=True)
 
     from tqdm import tqdm

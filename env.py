@@ -599,6 +599,7 @@ class Trajectory:
         steps = [{k: v for k, v in dataclasses.asdict(s).items() if k not in ("prompt", "output_ids")}
                  for s in self.steps]
         return {"id": self.example.id, "question": self.example.question, "gold": self.example.answers,
+                "type": self.example.type, "supporting": list(self.example.supporting),
                 "answer": self.answer, "reward": self.reward, "finished": self.finished, "steps": steps}
 
 

@@ -304,7 +304,7 @@ def merge_lora(bb: Backbone) -> Backbone:
     if not _is_peft(bb.model):
         raise ValueError("the backbone has no adapter to merge")
     config = bb.model.peft_config["default"].to_dict()
-    state = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(bb.model).items()}
+    state = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(bb.model, save_embedding_layers=False).items()}
     bb.merged.append((config, state))
     bb.model = bb.model.merge_and_unload()
     return bb

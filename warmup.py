@@ -116,6 +116,7 @@ class Args:
     max_new_tokens: int = field(default=64, metadata={"help": "π's max new tokens per action in the dev evaluation"})
     eval_size: int = field(default=500, metadata={"help": "dev questions for the base / SFT-only evaluation (paper: 500)"})
     probe_size: int = field(default=32, metadata={"help": "μ SFT items on which Eq. 7's two terms are shown before/after"})
+    train_mu: bool = field(default=True, metadata={"help": "also train μ (arco.py's outcome baseline needs only π)"})
     gen_batch: int = field(default=16, metadata={"help": "prompts per generation batch in the dev evaluation"})
     mu_examples: int = field(default=0, metadata={
         "help": "worked examples in μ's rubric prompt (0-2); each costs ~200 tokens per step, and the SFT "
@@ -506,12 +507,13 @@ def oracle_rubric(traj: env.Trajectory, intents: Sequence[Intent], n_targets: in
             new_p = step.retrieved not in seen
             hit = step.retrieved in supporting
             relevant = t is not None and t.paragraph in supporting
-            c = [f"Search[{step.argument}] looks up {what}, evidence the question needs{where}",
-                 f"The search for {what} brings back a paragraph that supports the answer",
-                 f"{t.entity or step.argument} has not been searched or retrieved earlier in the trajectory" if t
-                 else "The query has not been searched before",
+            # Short sentences: μ writes them at every step of RL, so their length is decoding time.
+            c = [f"Search[{step.argument}] targets {what}, evidence the question needs{where}",
+                 f"Returns a paragraph on {what} that supports the answer",
+                 f"{t.entity or step.argument} was not searched or retrieved before" if t
+                 else "The query was not searched before",
                  "The query is short and names one entity or relation",
-                 f"Spending a search here ({_plural(step.searches_left, 'search')} left) gains evidence still missing"]
+                 f"Worth a search ({_plural(step.searches_left, 'search')} left): the evidence is still missing"]
             s = [1.0 if relevant else -1.0,
                  (1.0 if new_p else 0.0) if hit else -1.0,
                  1.0 if new_q and new_p else -1.0,
@@ -524,12 +526,12 @@ def oracle_rubric(traj: env.Trajectory, intents: Sequence[Intent], n_targets: in
             have = len(seen & supporting)
             complete = have == len(supporting)
             titles = ", ".join(_bare(ex.paragraphs[i][0]) for i in sorted(seen & supporting)) or "nothing relevant"
-            c = [f"Judged as a final answer: Finish[{step.argument}] gives what the question asks for",
-                 f"The answer \"{step.argument}\" is supported by the evidence retrieved (on {titles})",
-                 f"Finishing now rather than searching again is justified: {have} of {len(supporting)} supporting "
-                 f"paragraphs found, {_plural(step.searches_left, 'search')} left",
-                 "The final answer is short and well-formed (a name, date, number or yes/no)",
-                 f"The submitted answer \"{step.argument}\" agrees with the facts found"]
+            c = [f"Judged as the final answer: {step.argument} is what the question asks for",
+                 f"\"{step.argument}\" is backed by the evidence found (on {titles})",
+                 f"Right time to stop: {have} of {len(supporting)} supporting paragraphs found, "
+                 f"{_plural(step.searches_left, 'search')} left",
+                 "A short, well-formed answer (a name, date, number or yes/no)",
+                 f"\"{step.argument}\" agrees with the facts found"]
             s = [1.0 if right else -1.0,
                  (1.0 if complete else 0.0) if right else -1.0,
                  1.0 if complete else (0.0 if step.searches_left == 0 else -1.0),
@@ -1255,30 +1257,69 @@ def evaluate_policy(pi, examples: Sequence[env.Example], retriever, max_new_toke
             "finished_rate": sum(t.finished for t in trajs) / n}, trajs
 
 
+def eval_settings(eval_size: int, seed: int, max_new_tokens: int, obs_chars: int, gen_batch: int) -> dict:
+    """What decides a greedy dev evaluation (with the policy): same settings, same trajectories."""
+    return {"eval_size": eval_size, "seed": seed, "max_new_tokens": max_new_tokens, "obs_chars": obs_chars,
+            "gen_batch": gen_batch}
+
+
+def mu_dir_name(rubric_mode: str = "adaptive", K: int = 3, mu_model: str = "", model: str = "embedded") -> str:
+    """The folder of a warmup's μ: `mu_sft` for ARCO's own μ (adaptive, K = 3, π's backbone), and
+    one folder per variant beside it (`mu_sft-none`, `mu_sft-k5`, ...), so that every run of the
+    paper's comparisons shares one collection and one π SFT."""
+    suffix = "" if rubric_mode == "adaptive" else f"-{rubric_mode}"
+    suffix += "" if K == 3 else f"-k{K}"
+    if mu_model and mu_model != model:
+        suffix += "-" + re.sub(r"[^A-Za-z0-9._-]+", "_", mu_model.strip("/").split("/")[-1])
+    return "mu_sft" + suffix
+
+
 def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: Sequence[dict], retriever) -> dict:
     """π SFT and μ SFT, the merged π_sft/ and μ_sft/ saved, and the dev evaluation of the base
-    and the SFT-only policy (greedy) into metrics.json."""
+    and the SFT-only policy (greedy) into metrics.json. A π_sft/ or μ folder already in
+    out_dir (an earlier warmup of the same collection) is kept, not trained again."""
     from rubric_model import RubricModel, load_backbone, save_backbone
     dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size or None, args.seed)
-    metrics: dict = {"dataset": args.dataset, "dev_questions": len(dev)}
-    pi = load_backbone(args.model, device=args.device)
-    print(f"[warmup] evaluating the base policy ({args.model}) on {len(dev)} dev questions", flush=True)
-    metrics["base"], _ = evaluate_policy(pi, dev, retriever, args.max_new_tokens, args.obs_chars, args.gen_batch)
-    metrics["pi_sft_loss_per_epoch"] = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi,
-                                                        args.sft_batch_size, args.seed, args.progress, args.micro_batch)
-    save_backbone(pi, out_dir / "pi_sft")
-    metrics["sft_only"], _ = evaluate_policy(pi, dev, retriever, args.max_new_tokens, args.obs_chars, args.gen_batch)
-    print(f"[warmup] dev EM: base {metrics['base']['em']:.1f} -> SFT only {metrics['sft_only']['em']:.1f}", flush=True)
-    del pi
+    old = json.loads((out_dir / "metrics.json").read_text()) if (out_dir / "metrics.json").is_file() else {}
+    metrics: dict = {**old, "dataset": args.dataset, "dev_questions": len(dev)}
+    if (out_dir / "pi_sft" / "config.json").is_file() and "sft_only" in old:
+        print(f"[warmup] π SFT: reusing {out_dir / 'pi_sft'}", flush=True)
+    else:
+        pi = load_backbone(args.model, device=args.device)
+        print(f"[warmup] evaluating the base policy ({args.model}) on {len(dev)} dev questions", flush=True)
+        metrics["base"], _ = evaluate_policy(pi, dev, retriever, args.max_new_tokens, args.obs_chars, args.gen_batch)
+        metrics["pi_sft_loss_per_epoch"] = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi,
+                                                            args.sft_batch_size, args.seed, args.progress,
+                                                            args.micro_batch)
+        save_backbone(pi, out_dir / "pi_sft")
+        metrics["sft_only"], trajs = evaluate_policy(pi, dev, retriever, args.max_new_tokens, args.obs_chars,
+                                                     args.gen_batch)
+        # What arco.py needs to take this evaluation as its epoch 0 instead of repeating it.
+        metrics["sft_only_settings"] = eval_settings(args.eval_size, args.seed, args.max_new_tokens, args.obs_chars,
+                                                     args.gen_batch)
+        (out_dir / "eval_sft_only.jsonl").write_text("".join(json.dumps(t.to_dict(), ensure_ascii=False) + "\n"
+                                                             for t in trajs), encoding="utf-8")
+        print(f"[warmup] dev EM: base {metrics['base']['em']:.1f} -> SFT only {metrics['sft_only']['em']:.1f}",
+              flush=True)
+        del pi
+        write_json(out_dir / "metrics.json", metrics)
+    name = mu_dir_name(args.rubric_mode, args.K, args.mu_model, args.model)
+    if not args.train_mu:
+        return metrics
+    if (out_dir / name / "config.json").is_file():
+        print(f"[warmup] μ SFT: reusing {out_dir / name}", flush=True)
+        return metrics
     mu_backbone = load_backbone(args.mu_model or args.model, device=args.device)
     mu = RubricModel(mu_backbone, k=args.K, rubric_mode=args.rubric_mode, examples=args.mu_examples)
     probe = list(mu_items[:args.probe_size])
-    metrics["mu_sft_terms_before"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch)
-    metrics["mu_sft_loss_per_epoch"] = train_rubric_sft(mu, mu_items, args.sft_epochs_mu, args.sft_lr_mu,
-                                                        args.sft_head_lr, args.score_weight, args.sft_batch_size,
-                                                        args.seed, args.progress, args.micro_batch)
-    metrics["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch)
-    mu.save(out_dir / "mu_sft")
+    m = metrics.setdefault("mu", {}).setdefault(name, {})
+    m["mu_sft_terms_before"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch)
+    m["mu_sft_loss_per_epoch"] = train_rubric_sft(mu, mu_items, args.sft_epochs_mu, args.sft_lr_mu,
+                                                  args.sft_head_lr, args.score_weight, args.sft_batch_size,
+                                                  args.seed, args.progress, args.micro_batch)
+    m["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch)
+    mu.save(out_dir / name)
+    metrics.update(m)                 # the last μ trained, also at the top level (as before variants)
     write_json(out_dir / "metrics.json", metrics)
     return metrics
 
@@ -1364,11 +1405,15 @@ def run(args: Args) -> Path:
         return out_dir
     if not pi or not mu:
         raise ValueError(f"nothing to fine-tune on: {len(pi)} π SFT and {len(mu)} μ SFT examples")
-    m = run_sft(args, out_dir, pi, mu, retriever)
-    print(f"μ SFT, Eq. 7 terms on {min(len(mu), args.probe_size)} items: text NLL "
-          f"{m['mu_sft_terms_before']['text_nll']:.2f} -> {m['mu_sft_terms_after']['text_nll']:.2f}, score error "
-          f"{m['mu_sft_terms_before']['score_sq_error']:.3f} -> {m['mu_sft_terms_after']['score_sq_error']:.3f}")
-    print(f"written to {out_dir}/ (pi_sft/, mu_sft/, metrics.json, records.jsonl, summary.json)")
+    m = run_sft(args, out_dir, pi, mu, retriever).get("mu", {}).get(
+        mu_dir_name(args.rubric_mode, args.K, args.mu_model, args.model))
+    if m and "mu_sft_terms_after" in m:
+        print(f"μ SFT, Eq. 7 terms on {min(len(mu), args.probe_size)} items: text NLL "
+              f"{m['mu_sft_terms_before']['text_nll']:.2f} -> {m['mu_sft_terms_after']['text_nll']:.2f}, score "
+              f"error {m['mu_sft_terms_before']['score_sq_error']:.3f} -> "
+              f"{m['mu_sft_terms_after']['score_sq_error']:.3f}")
+    print(f"written to {out_dir}/ (pi_sft/, {mu_dir_name(args.rubric_mode, args.K, args.mu_model, args.model)}/, "
+          f"metrics.json, records.jsonl, summary.json)")
     return out_dir
 
 
@@ -1380,7 +1425,7 @@ def run_from_arco(a, out_dir: Path) -> Path:
                 sft_lr_pi=a.sft_lr_pi, sft_lr_mu=a.sft_lr_mu, sft_head_lr=a.sft_head_lr,
                 micro_batch=a.micro_batch, max_new_tokens=a.max_new_tokens_pi, eval_size=a.eval_size,
                 obs_chars=a.obs_chars, gen_batch=a.gen_batch, mu_examples=a.mu_examples,
-                probe_size=a.warmup_probe)
+                probe_size=a.warmup_probe, train_mu=a.reward != "outcome")
     return run(args)
 
 

@@ -101,6 +101,37 @@ def test_outcome_baseline_has_no_mu(tiny_run, tiny_dir):
     assert not (run / "checkpoints" / "epoch_1" / "mu").exists()
 
 
+def test_an_ablation_reuses_the_warmup_and_trains_only_its_own_mu(tiny_run, tiny_dir, monkeypatch):
+    """Table 2's w/o Rubric: the same collection and π SFT as ARCO, a μ of its own (mu_sft-none)."""
+    import warmup
+    monkeypatch.setattr(warmup, "train_policy_sft", lambda *a, **kw: pytest.fail("π SFT ran a second time"))
+    arco.main(tiny_args(tiny_dir, tiny_run, rubric="none", epochs=1))
+    warm = tiny_run / "synthetic" / "warmup"
+    assert rm.RubricModel.load(warm / "mu_sft-none", device="cpu").rubric_mode == "none"
+    assert rm.RubricModel.load(warm / "mu_sft", device="cpu").rubric_mode == "adaptive"
+    assert set(json.loads((warm / "metrics.json").read_text())["mu"]) == {"mu_sft", "mu_sft-none"}
+    updates = [r for r in read_jsonl(tiny_run / "synthetic" / "arco-none" / "metrics.jsonl") if r["kind"] == "update"]
+    assert updates and all(r["kl_mu"] == 0 and r["decomposition_mse"] >= 0 for r in updates)
+
+
+def test_epoch_0_is_the_warmups_sft_only_evaluation_and_equals_a_fresh_one(tiny_run, tiny_dir):
+    """arco.py takes the warmup's SFT-only evaluation as epoch 0 (same settings); evaluating π_sft
+    plus the fresh B = 0 adapter again gives exactly the same numbers and trajectories."""
+    from evaluate import parse_args
+    warm, run = tiny_run / "synthetic" / "warmup", tiny_run / "synthetic" / "arco"
+    sft_only = json.loads((warm / "metrics.json").read_text())["sft_only"]
+    ev0 = next(r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval")
+    assert {k: ev0[k] for k in sft_only} == sft_only
+    args = arco.resolve_args(parse_args(arco.Args, tiny_args(tiny_dir, tiny_run)))
+    torch.manual_seed(args.seed)
+    pi, _ = arco.build_models(args, warm)
+    dev = env.load_split("synthetic", "dev", None, args.eval_size, args.seed)
+    ev, trajs = arco.evaluate_policy(pi, dev, args, env.Retriever())
+    assert ev == sft_only
+    assert [[st.output for st in t.steps] for t in trajs] == \
+        [[st["output"] for st in r["steps"]] for r in read_jsonl(run / "traces" / "eval_epoch_0.jsonl")]
+
+
 def evals(run):
     return [(r["epoch"], r["em"], r["f1"], r["invalid_rate"]) for r in read_jsonl(run / "metrics.jsonl")
             if r["kind"] == "eval"]
