@@ -1,0 +1,442 @@
+"""evaluate.py --run (issue 6, the CLI half): the side-by-side comparison of finished runs (reused,
+stored and forced evaluations) and --diagnose (credit assignment of μ on held-out oracle
+trajectories, μ as a judge, RQ3 Bind / Spec, RQ4 redundancy, plots, the trajectory page).
+
+Everything runs on whole tiny runs (a random 2-layer Llama, synthetic data): an ARCO run with a
+sparse and a dense epoch and an outcome run, sharing one warmup. A tiny model writes no usable
+rubric, so the diagnostics of rubric TEXT (Bind, redundancy, the page) also run on copies of the
+ARCO run whose last training traces are replaced by oracle-annotated ones, where the expected
+numbers are known.
+"""
+import html
+import json
+import re
+import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import arco
+import env
+import evaluate as ev
+import rubric_model as rm
+import warmup
+
+
+def tiny_argv(tiny_dir, out, **kw):
+    argv = ["--dataset", "synthetic", "--model", str(tiny_dir), "--train-size", "2", "--eval-size", "3",
+            "--epochs", "2", "--dense-start-epoch", "2", "--batch-size", "2", "--group-size", "2",
+            "--max-new-tokens-pi", "8", "--max-new-tokens-mu", "12", "--out-dir", str(out), "--sft-epochs-pi", "1",
+            "--sft-epochs-mu", "1", "--warmup-samples", "2", "--device", "cpu"]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return argv
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dir, tmp_path_factory):
+    """runs/synthetic/{warmup, arco (2 epochs, dense from 2), outcome (1 epoch)}."""
+    out = tmp_path_factory.mktemp("runs")
+    arco.main(tiny_argv(tiny_dir, out))
+    arco.main(tiny_argv(tiny_dir, out, reward="outcome", epochs=1))
+    return out / "synthetic"
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def evals_of(run):
+    return {r["epoch"]: r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval"}
+
+
+def main(argv):
+    try:
+        ev.main([str(a) for a in argv])
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def no_evaluation(monkeypatch):
+    def fail(*a, **kw):
+        pytest.fail("a policy was loaded or evaluated although an evaluation was stored")
+    monkeypatch.setattr(warmup, "evaluate_policy", fail)
+    monkeypatch.setattr(rm, "load_backbone_checkpoint", fail)
+
+
+def counting_evaluation(monkeypatch):
+    calls = []
+    real = warmup.evaluate_policy
+
+    def spy(pi, examples, *a, **kw):
+        calls.append([ex.id for ex in examples])
+        return real(pi, examples, *a, **kw)
+    monkeypatch.setattr(warmup, "evaluate_policy", spy)
+    return calls
+
+
+# ----------------------------------------------------------------------------- scores of trace rows
+
+def _row(type_, gold, answer, finished, actions):
+    steps = [{"action": a, "valid": a != "invalid", "argument": "x", "output": "x"} for a in actions]
+    return {"type": type_, "gold": gold, "answer": answer, "finished": finished, "steps": steps}
+
+
+def test_trajectory_scores_by_type_by_hand():
+    rows = [_row("bridge", ["Paris"], "paris", True, ["search", "search", "finish"]),            # EM 1, F1 1
+            _row("bridge", ["the Eiffel Tower"], "Eiffel", True, ["search", "invalid", "finish"]),  # F1 2/3
+            _row("3hop1", ["1850"], "1850", False, ["search", "search", "search", "invalid"]),   # unfinished: 0
+            _row("3hop2", ["1850"], "1850", True, ["finish"]),                                  # EM 1
+            _row("", ["a"], "b", True, ["finish"])]
+    got = ev.trajectory_scores(rows)
+    assert list(got["by_type"]) == ["3hop", "bridge", "unknown"]        # MuSiQue hop count from the id prefix
+    # "Eiffel" vs "eiffel tower": precision 1, recall 1/2 -> F1 2/3
+    assert got["by_type"]["bridge"] == pytest.approx({"n": 2, "em": 50.0, "f1": 100 * (1 + 2 / 3) / 2,
+                                                      "mean_searches": 1.5, "invalid_rate": 1 / 6,
+                                                      "finished_rate": 1.0})
+    assert got["by_type"]["3hop"] == pytest.approx({"n": 2, "em": 50.0, "f1": 50.0, "mean_searches": 1.5,
+                                                    "invalid_rate": 1 / 5, "finished_rate": 0.5})
+    assert got["n"] == 5 and got["em"] == pytest.approx(40.0) and got["f1"] == pytest.approx(100 * (2 + 2 / 3) / 5)
+    assert got["mean_searches"] == pytest.approx(6 / 5) and got["invalid_rate"] == pytest.approx(2 / 12)   # 12 steps
+    assert [ev.question_type(t) for t in ("2hop", "4hop1", "comparison", "bridge_comparison", None)] == \
+        ["2hop", "4hop", "comparison", "bridge_comparison", "unknown"]
+
+
+# ----------------------------------------------------------------------------- comparison
+
+def test_comparison_of_two_runs_reuses_their_own_evaluations(runs, monkeypatch, capsys):
+    no_evaluation(monkeypatch)
+    arco_dir, outcome_dir = runs / "arco", runs / "outcome"
+    assert main(["--run", arco_dir, "--run", outcome_dir]) == 0
+    out = capsys.readouterr().out
+    comp = json.loads((arco_dir / "comparison.json").read_text())
+    assert (comp["dataset"], comp["split"]) == ("synthetic", "dev")
+    rows = {r["system"]: r for r in comp["rows"]}
+    assert list(rows) == ["base", "SFT only", "arco", "outcome"]
+    warm = json.loads((runs / "warmup" / "metrics.json").read_text())
+    for system, key in (("base", "base"), ("SFT only", "sft_only")):
+        assert {k: rows[system][k] for k in warm[key]} == warm[key]
+    for system, run, epoch in (("arco", arco_dir, 2), ("outcome", outcome_dir, 1)):   # selection.json's epochs
+        r = rows[system]
+        assert r["checkpoint"] == f"epoch_{epoch} (selected)" and "metrics.jsonl, epoch" in r["source"]
+        recorded = evals_of(run)[epoch]
+        assert {k: r[k] for k in ("n", "em", "f1", "mean_searches", "invalid_rate")} == \
+            {k: recorded[k] for k in ("n", "em", "f1", "mean_searches", "invalid_rate")}
+        traces = ev.trajectory_scores(read_jsonl(run / "traces" / f"eval_epoch_{epoch}.jsonl"))
+        # the breakdown comes from the run's greedy dev trajectories, and they agree with its metrics
+        assert r["by_type"] == traces["by_type"]
+        assert {k: traces[k] for k in ("em", "f1", "mean_searches", "invalid_rate")} == \
+            pytest.approx({k: recorded[k] for k in ("em", "f1", "mean_searches", "invalid_rate")})
+        types = {ex.type for ex in env.load_split("synthetic", "dev", size=3, seed=0)}
+        assert set(r["by_type"]) == types and sum(b["n"] for b in r["by_type"].values()) == r["n"] == 3
+    assert comp["types"] == sorted(types)
+    md = (arco_dir / "comparison.md").read_text()
+    assert md in out + "\n"                                                   # the printed table is the file
+    a = rows["arco"]
+    header = ("| system | checkpoint | n | EM | F1 | searches / q | invalid steps % | "
+              + " | ".join(f"{t} EM / F1" for t in comp["types"]) + " |")
+    assert header in md.splitlines()
+    assert (f"| arco | epoch_2 (selected) | 3 | {a['em']:.1f} | {a['f1']:.1f} | {a['mean_searches']:.2f} | "
+            f"{100 * a['invalid_rate']:.1f} |") in md
+    assert md.index("| base |") < md.index("| SFT only |") < md.index("| arco |") < md.index("| outcome |")
+    assert f"comparison table: {arco_dir / 'comparison.md'}" in out
+    assert not (outcome_dir / "comparison.md").exists()
+
+
+def test_checkpoint_flag_reuse_and_forced_reevaluation(runs, monkeypatch, capsys):
+    arco_dir, outcome_dir = runs / "arco", runs / "outcome"
+    no_evaluation(monkeypatch)
+    assert main(["--run", arco_dir, "--run", outcome_dir, "--checkpoint", "epoch_1"]) == 0   # recorded: reused
+    rows = {r["system"]: r for r in json.loads((arco_dir / "comparison.json").read_text())["rows"]}
+    assert rows["arco"]["checkpoint"] == "epoch_1" and rows["arco"]["em"] == evals_of(arco_dir)[1]["em"]
+    monkeypatch.undo()
+
+    calls = counting_evaluation(monkeypatch)
+    assert main(["--run", arco_dir, "--run", outcome_dir, "--checkpoint", "epoch_1", "--reevaluate",
+                 "--device", "cpu"]) == 0
+    dev_ids = [ex.id for ex in env.load_split("synthetic", "dev", size=3, seed=0)]
+    assert calls == [dev_ids, dev_ids]                               # both runs, the run's own dev sample
+    rows = {r["system"]: r for r in json.loads((arco_dir / "comparison.json").read_text())["rows"]}
+    for system, run in (("arco", arco_dir), ("outcome", outcome_dir)):
+        r, recorded = rows[system], evals_of(run)[1]
+        assert r["source"].startswith("evaluated now")
+        # the reloaded epoch-1 checkpoint, evaluated greedily, is the policy the run evaluated after epoch 1
+        assert {k: r[k] for k in ("n", "em", "f1", "mean_searches", "invalid_rate")} == \
+            pytest.approx({k: recorded[k] for k in ("n", "em", "f1", "mean_searches", "invalid_rate")})
+        now = read_jsonl(run / "evals" / "dev_epoch_1.jsonl")
+        then = read_jsonl(run / "traces" / "eval_epoch_1.jsonl")
+        assert [[(s["output"], s["action"]) for s in x["steps"]] for x in now] == \
+            [[(s["output"], s["action"]) for s in x["steps"]] for x in then]
+        stored = json.loads((run / "evals" / "dev_epoch_1.json").read_text())
+        assert stored["checkpoint"] == "epoch_1" and stored["em"] == r["em"] and stored["by_type"] == r["by_type"]
+
+    calls.clear()                                                    # another split: evaluated, then stored
+    assert main(["--run", arco_dir, "--run", outcome_dir, "--split", "train", "--device", "cpu"]) == 0
+    train_ids = [ex.id for ex in env.load_split("synthetic", "train", size=3, seed=0)]
+    assert calls == [train_ids, train_ids]
+    first = json.loads((arco_dir / "comparison-train.json").read_text())
+    assert [r["system"] for r in first["rows"]] == ["arco", "outcome"]      # the warmup rows are dev scores
+    assert [r["checkpoint"] for r in first["rows"]] == ["epoch_2 (selected)", "epoch_1 (selected)"]
+    assert (arco_dir / "evals" / "train_epoch_2.jsonl").is_file()
+    monkeypatch.undo()
+    no_evaluation(monkeypatch)
+    capsys.readouterr()
+    assert main(["--run", arco_dir, "--run", outcome_dir, "--split", "train"]) == 0
+    again = json.loads((arco_dir / "comparison-train.json").read_text())
+    assert [r["source"] for r in again["rows"]] == [f"stored: {arco_dir / 'evals' / 'train_epoch_2.json'}",
+                                                    f"stored: {outcome_dir / 'evals' / 'train_epoch_1.json'}"]
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "source"} for r in rows]   # noqa: E731
+    assert strip(again["rows"]) == strip(first["rows"])
+
+
+def test_bad_commands_exit_2_with_a_clear_message(runs, tmp_path, capsys):
+    arco_dir, outcome_dir = runs / "arco", runs / "outcome"
+    assert main(["--run", outcome_dir, "--run", arco_dir, "--diagnose"]) == 2
+    assert "has no μ checkpoint (an outcome run); put an ARCO run first" in capsys.readouterr().err
+    assert main(["--run", arco_dir, "--checkpoint", "epoch_9"]) == 2
+    assert "no checkpoint epoch_9 (it has: epoch_1, epoch_2)" in capsys.readouterr().err
+    assert main(["--run", tmp_path]) == 2
+    assert "not a run folder (no args.json)" in capsys.readouterr().err
+    other = tmp_path / "hotpotqa" / "arco"
+    other.mkdir(parents=True)
+    args = json.loads((arco_dir / "args.json").read_text())
+    (other / "args.json").write_text(json.dumps({**args, "dataset": "hotpotqa"}))
+    (other / "selection.json").write_text(json.dumps({"selected_epoch": 1}))
+    assert main(["--run", arco_dir, "--run", other]) == 2
+    assert "different datasets" in capsys.readouterr().err
+    assert main(["--run", arco_dir, "--predictions", "p.jsonl"]) == 2
+    assert main([]) == 2
+    assert "--run DIR" in capsys.readouterr().err
+
+
+def test_untrained_mu_is_the_base_backbone_with_a_seeded_fresh_head(runs):
+    warm = runs / "warmup" / "mu_sft"
+    a, b, c = (ev.untrained_mu(warm, "cpu", seed) for seed in (3, 3, 4))
+    trained = rm.RubricModel.load(warm, device="cpu")
+    assert a.k == trained.k and a.rubric_mode == trained.rubric_mode and a.examples == trained.examples
+    for key, value in a.head.state_dict().items():
+        assert value.equal(b.head.state_dict()[key])                        # same seed, same head
+    assert not a.head.net[1].weight.equal(c.head.net[1].weight)
+    assert not a.head.net[1].weight.equal(trained.head.net[1].weight)      # not the trained one
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+def oracle_trace_rows(K, epoch, n_questions=3):
+    """Training-trace rows as arco.trace_rows writes them, from oracle trajectories annotated by the
+    oracle teacher: d_t = its K criterion scores, s_t = their mean (a useful step gets s_t = 1,
+    every useless one less), G_t and buckets by Eq. 3-4."""
+    teacher = warmup.OracleTeacher(seed=1)
+    examples = env.synthetic_examples(n_questions, seed=5, split="train")
+    trajs, metas = teacher.rollout([(ex, s) for ex in examples for s in range(3)], env.Retriever())
+    rows = []
+    for t, meta in zip(trajs, metas):
+        criteria, scores, _ = teacher.annotate(t, meta, K)
+        row = {**t.to_dict(), "epoch": epoch, "batch": 0}
+        s = [sum(x) / K for x in scores]
+        G = arco.reward_to_go(s)
+        buckets = arco.step_buckets([st.action for st in t.steps], [st.valid for st in t.steps])
+        for st, c, d, s_t, g, b in zip(row["steps"], criteria, scores, s, G, buckets):
+            st.update(criteria=c, rubric_parsed=True, d=d, s=s_t, G=g, bucket=b, A=0.0)
+        rows.append(row)
+    return rows
+
+
+class FakeJudge:
+    """An OpenAI-compatible /v1/chat/completions that judges like an oracle: Bind picks the candidate of
+    the checklist's kind (a checklist for a "final answer" grades a Finish) whose argument's words the
+    checklist names most; Spec rates 5 for a search and 3 for a final answer."""
+
+    def __init__(self):
+        self.calls = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(handler):
+                body = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
+                text = self.reply(body["messages"][-1]["content"])
+                data = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                                   "choices": [{"index": 0, "finish_reason": "stop",
+                                                "message": {"role": "assistant", "content": text}}]}).encode()
+                handler.send_response(200)
+                handler.send_header("Content-Type", "application/json")
+                handler.send_header("Content-Length", str(len(data)))
+                handler.end_headers()
+                handler.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def reply(self, prompt):
+        self.calls += 1
+        if "Candidate actions:" in prompt:
+            checklist = prompt.split("Checklist:")[1].split("Candidate actions:")[0].lower()
+            options = re.findall(r"^([A-Z])\. (\w+)\[(.*)\]$", prompt.split("Candidate actions:")[1], re.M)
+
+            def fit(option):
+                _, kind, argument = option
+                words = re.findall(r"\w+", argument.lower())
+                return ((kind == "Finish") == ("final answer" in checklist),
+                        sum(w in checklist for w in words) / max(len(words), 1))
+            return max(options, key=fit)[0]
+        return "5" if "Action being graded: Search[" in prompt else "3"
+
+
+@pytest.fixture(scope="module")
+def diagnosed(runs, tmp_path_factory):
+    """`--run arco-oracle --run arco-k7 --run outcome --diagnose` with the fake judge: arco-oracle is the
+    ARCO run with its epoch-2 training traces replaced by oracle ones (K = 3), arco-k7 the same with K = 7."""
+    for name, K in (("arco-oracle", 3), ("arco-k7", 7)):
+        dest = runs / name
+        shutil.copytree(runs / "arco", dest)
+        for f in ("comparison.md", "comparison.json", "comparison-train.md", "comparison-train.json"):
+            (dest / f).unlink(missing_ok=True)
+        (dest / "traces" / "epoch_2.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in oracle_trace_rows(K, epoch=2)))
+        args = json.loads((dest / "args.json").read_text())
+        (dest / "args.json").write_text(json.dumps({**args, "name": name, "k": K}))
+    judge = FakeJudge()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OPENAI_BASE_URL", judge.url)
+    mp.setenv("OPENAI_API_KEY", "sk-test-not-a-secret")
+    import io
+    from contextlib import redirect_stdout
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = main(["--run", runs / "arco-oracle", "--run", runs / "arco-k7", "--run", runs / "outcome",
+                     "--diagnose", "--heldout-questions", 3, "--heldout-samples", 2, "--device", "cpu",
+                     "--judge-model", "fake-judge", "--judge-items", 6, "--html-trajectories", 4])
+    mp.undo()
+    judge.server.shutdown()
+    assert code == 0
+    run = runs / "arco-oracle"
+    return run, json.loads((run / "diagnostics.json").read_text()), out.getvalue(), judge
+
+
+def test_diagnose_credit_assignment_on_heldout_oracle_trajectories(diagnosed, runs):
+    run, d, out, _ = diagnosed
+    h = d["credit"]["heldout"]
+    # the held-out set, rebuilt here: the oracle's trajectories on the first 3 dev questions, 2 samples each
+    examples = env.load_split("synthetic", "dev", size=3, seed=0)
+    obs_chars = json.loads((run / "args.json").read_text())["obs_chars"]
+    trajs, metas = warmup.OracleTeacher(seed=0, obs_chars=obs_chars).rollout(
+        [(ex, s) for ex in examples for s in range(2)], env.Retriever())
+    labels = [ev.step_usefulness(t) for t in trajs]
+    assert h["trajectories"] == 6 and h["variants"]["gold"] == 3 and sum(h["variants"].values()) == 6
+    assert h["steps"] == sum(len(t.steps) for t in trajs) and h["useful_steps"] == sum(map(sum, labels))
+    assert h["reward_1"] == sum(t.reward for t in trajs) >= 3                 # every gold trajectory is right
+    assert 0 < h["useful_steps"] < h["steps"]                                  # both classes present
+    stages = d["credit"]["stages"]
+    assert [(s["stage"], s["x"]) for s in stages] == [("untrained", -1), ("warmup", 0), ("epoch_1", 1), ("epoch_2", 2)]
+    assert stages[1]["model"] == str(runs / "warmup" / "mu_sft")
+    assert stages[3]["model"] == str(run / "checkpoints" / "epoch_2" / "mu")
+    for s in stages:
+        assert s["steps"] == h["steps"] and s["useful"] == h["useful_steps"]
+        for key in ("auc_steps", "auc_search", "auc_finish", "auc_sum_vs_R"):
+            assert s[key] is None or 0.0 <= s[key] <= 1.0
+        assert s["auc_steps"] is not None                                      # both classes: defined
+        assert -1 <= s["mean_s_useful"] <= 1 and -1 <= s["mean_s_useless"] <= 1
+        j = s["judge"]
+        assert j["threshold"] == 0.5 and j["n"] == 6
+        assert j["true_pass"] + j["false_fail"] == h["reward_1"]
+        assert j["false_pass"] + j["true_fail"] == 6 - h["reward_1"]
+        assert 0 <= j["agreement"] <= 1 and (s["spearman_sum_vs_f1"] is None or -1 <= s["spearman_sum_vs_f1"] <= 1)
+    assert [s["stage"] for s in stages if "judge_fitted" in s] == ["epoch_2"] == [d["credit"]["selected_stage"]]
+    fitted = stages[3]["judge_fitted"]
+    rows = read_jsonl(run / "traces" / "epoch_2.jsonl")
+    expected = ev.best_threshold([sum(st["s"] for st in r["steps"]) for r in rows], [r["reward"] == 1 for r in rows])
+    assert fitted["threshold"] == pytest.approx(expected) and fitted["fitted_on_trajectories"] == len(rows)
+    assert fitted["n"] == 6 and fitted["true_pass"] + fitted["false_fail"] == h["reward_1"]
+    # μ's own rollouts: epoch 1 is the tiny policy's (no useful step: AUC undefined); epoch 2 the oracle's,
+    # where every useful step has s_t = 1 and every useless one less
+    by_epoch = {r["epoch"]: r for r in d["credit"]["training_traces_auc"]}
+    assert by_epoch[1]["useful"] == 0 and by_epoch[1]["auc"] is None
+    assert by_epoch[2]["steps"] == sum(len(r["steps"]) for r in rows) and by_epoch[2]["auc"] == 1.0
+    md = (run / "diagnostics.md").read_text()
+    assert f"| epoch_2 | fitted: {expected:.3f} |" in md
+    assert f"| warmup | {stages[1]['auc_steps']:.3f} |" in md
+
+
+def test_diagnose_binding_with_the_embedding_and_the_api_judge(diagnosed, runs):
+    run, d, _, judge = diagnosed
+    rows = read_jsonl(run / "traces" / "epoch_2.jsonl")
+    b = d["runs"]["arco-oracle"]["binding"]
+    steps = sum(len(r["steps"]) for r in rows)
+    distinct = [len({ev.step_action_text(st) for st in r["steps"]}) for r in rows]
+    # a step is an item when its trajectory has another distinct action; min(4, distinct) candidates
+    chance = [1 / min(4, m) for r, m in zip(rows, distinct) if m > 1 for _ in r["steps"]]
+    with_item = len(chance)
+    assert (b["steps"], b.get("without_criteria", 0), b["items"]) == (steps, 0, with_item)
+    e = b["embedding"]
+    assert e["all"]["chance"] == pytest.approx(100 * sum(chance) / len(chance))
+    assert e["all"]["n"] == e["search"]["n"] + e["finish"]["n"] == with_item
+    assert e["finish"]["n"] == sum(m > 1 for m in distinct)        # one Finish per trajectory
+    for part in e.values():
+        assert part["ci95"][0] <= part["bind"] <= part["ci95"][1]
+        assert part["half_width"] == pytest.approx((part["ci95"][1] - part["ci95"][0]) / 2)
+    assert e["all"]["bind"] >= 80 > e["all"]["chance"]             # the oracle's criteria name what a step targets
+    o = b["openai"]                                                 # the fake judge: always right, Spec 5 / 3
+    assert o["model"] == "fake-judge" and o["items"] == 6
+    assert o["bind"]["all"]["bind"] == 100.0 and o["bind"]["all"]["n"] == 6 and o["bind"]["all"]["unscored"] == 0
+    assert o["bind"]["all"]["ci95"] == pytest.approx([100 * x for x in ev.proportion_ci(6, 6)])
+    n_search = o["bind"]["search"]["n"]
+    assert o["spec"]["search"] == {"n": n_search, "spec": 5.0, "half_width": 0.0, "unscored": 0}
+    assert o["spec"]["finish"]["spec"] == (3.0 if n_search < 6 else None) and o["spec"]["all"]["n"] == 6
+    assert o["spec"]["all"]["spec"] == pytest.approx((5 * n_search + 3 * (6 - n_search)) / 6)
+    assert o["counters"]["calls"] == o["counters"]["scored"] == 12             # 6 items × (Bind, Spec)
+    assert d["runs"]["arco-k7"]["binding"]["openai"]["counters"]["calls"] == 12   # counted per run
+    assert "binding" not in d["runs"]["outcome"] and d["runs"]["outcome"]["trajectories"] > 0
+    md = (run / "diagnostics.md").read_text()
+    assert f"| arco-oracle | 2 | embedding | all | {with_item} | {e['all']['bind']:.1f} |" in md
+    assert "| arco-oracle | 2 | fake-judge | search |" in md and "5.00 ± 0.00" in md
+
+
+def test_diagnose_redundancy_per_run_compares_k(diagnosed, runs):
+    _, d, _, _ = diagnosed
+    k3, k7 = d["runs"]["arco-oracle"]["redundancy"], d["runs"]["arco-k7"]["redundancy"]
+    assert d["runs"]["arco-oracle"]["k"] == 3 and d["runs"]["arco-k7"]["k"] == 7
+    # the oracle has a few criterion templates per kind of step and repeats them when K is larger
+    expected = {}
+    for name in ("arco-oracle", "arco-k7"):
+        steps = [st for r in read_jsonl(runs / name / "traces" / "epoch_2.jsonl") for st in r["steps"]]
+        expected[name] = sum(1 - len(set(st["criteria"])) / len(st["criteria"]) for st in steps) / len(steps)
+    assert k3["k"] == 3 and k3["exact_duplicate_rate"] == pytest.approx(expected["arco-oracle"])
+    assert k7["k"] == 7 and k7["exact_duplicate_rate"] == pytest.approx(expected["arco-k7"]) and expected["arco-k7"] > 0
+    assert k3["steps_without_criteria"] == k7["steps_without_criteria"] == 0
+    assert k7["paraphrase_duplicate_rate"] >= k7["exact_duplicate_rate"]        # an exact copy has cosine 1
+    assert k7["themes"] <= 7 * (1 - k7["exact_duplicate_rate"]) + 1e-9        # at most the distinct criteria
+    assert k3["themes"] <= 3 and k3["theme_ratio"] == pytest.approx(k3["themes"] / 3)
+    assert k3["steps"] == k7["steps"] == k3["n_k"]
+    assert k7["score_range"] is None or 0 <= k7["score_range"] <= 2
+    assert "redundancy" not in d["runs"]["outcome"]
+
+
+def test_diagnose_plots_page_and_printed_paths(diagnosed, runs):
+    run, d, out, _ = diagnosed
+    from matplotlib.image import imread
+    for png in ("dev_em.png", "bucket_scores.png", "credit_auc.png"):
+        assert imread(str(run / png)).shape == (400, 640, 4)
+        assert f"{png}: {run / png}" in out
+    figs = d["figures"]
+    assert figs["dev_em.png"]["arco-k7"] == [[e, r["em"]] for e, r in sorted(evals_of(run).items())]
+    assert [x for x, _ in figs["dev_em.png"]["outcome"]] == [0, 1]
+    rows = read_jsonl(run / "traces" / "epoch_2.jsonl")
+    terminal = [r["steps"][-1]["s"] for r in rows]
+    first = [r["steps"][0]["s"] for r in rows if len(r["steps"]) > 1]
+    assert list(figs["bucket_scores.png"])[0] == "search_1" and list(figs["bucket_scores.png"])[-1] == "terminal"
+    assert dict(figs["bucket_scores.png"]["terminal"])[2] == pytest.approx(sum(terminal) / len(terminal))
+    assert dict(figs["bucket_scores.png"]["search_1"])[2] == pytest.approx(sum(first) / len(first))
+    assert [x for x, _ in figs["credit_auc.png"]["held-out steps"]] == [-1, 0, 1, 2]
+    assert figs["credit_auc.png"]["own rollouts (traces)"] == [[1, None], [2, 1.0]]   # epoch 1: undefined
+    page = (run / "trajectories.html").read_text()
+    rows = rows[:4]
+    assert page.count('<section class="traj">') == 4
+    assert html.escape(rows[0]["steps"][0]["criteria"][0]) in page and html.escape(rows[3]["question"]) in page
+    for f in ("diagnostics.md", "diagnostics.json", "trajectories.html", "comparison.md"):
+        assert str(run / f) in out
+    assert not (runs / "arco-k7" / "diagnostics.json").exists()              # one run is diagnosed
