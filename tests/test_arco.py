@@ -180,6 +180,7 @@ def test_ctrl_c_finishes_the_batch_saves_and_resumes_from_the_next_one(tiny_run,
     import os
     import signal
     warm = tiny_run / "synthetic" / "warmup"
+    handler_before = signal.getsignal(signal.SIGINT)            # SIG_IGN under nohup, for example
     real_update = arco.rubric_update
     monkeypatch.setattr(arco, "rubric_update",
                         failing_on_call(real_update, 3, lambda: os.kill(os.getpid(), signal.SIGINT)))
@@ -197,7 +198,7 @@ def test_ctrl_c_finishes_the_batch_saves_and_resumes_from_the_next_one(tiny_run,
     assert seen == [(2, 1)]                                                  # only what was left
     assert evals(run) == evals(ref) and updates(run) == updates(ref)
     assert not (run / "checkpoints" / "interrupted").exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # handler restored
+    assert signal.getsignal(signal.SIGINT) is handler_before                  # handler restored
 
 
 def test_a_nan_loss_stops_with_a_clear_message_and_keeps_the_last_checkpoint(tiny_run, tiny_dir, monkeypatch):
