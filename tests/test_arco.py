@@ -219,3 +219,38 @@ def test_a_nan_loss_stops_with_a_clear_message_and_keeps_the_last_checkpoint(tin
         arco.main(tiny_args(tiny_dir, tiny_run, name="nan", warmup_dir=warm))
     ckpts = tiny_run / "synthetic" / "nan" / "checkpoints"
     assert (ckpts / "epoch_1" / "state.json").is_file() and not (ckpts / "epoch_2").exists()
+
+
+def test_whole_loop_on_the_embedded_model(tmp_path):
+    """Algorithm 1 end to end with the real embedded SmolLM2 for π and μ, on a handful of synthetic
+    questions: warmup → sparse epoch → dense epoch → evaluations → report, with sane files."""
+    argv = ["--dataset", "synthetic", "--train-size", "2", "--eval-size", "2", "--epochs", "2",
+            "--dense-start-epoch", "2", "--batch-size", "2", "--group-size", "2", "--max-new-tokens-pi", "16",
+            "--max-new-tokens-mu", "24", "--sft-epochs-pi", "1", "--sft-epochs-mu", "1", "--warmup-samples", "2",
+            "--warmup-probe", "2", "--out-dir", str(tmp_path), "--device", "cpu"]
+    arco.main(argv)
+    run = tmp_path / "synthetic" / "arco"
+    args = json.loads((run / "args.json").read_text())
+    assert args["model"] == "embedded" and args["mu_model"] == "embedded" and args["max_new_tokens_mu"] == 24
+    rows = read_jsonl(run / "metrics.jsonl")
+    evals = [r for r in rows if r["kind"] == "eval"]
+    updates = [r for r in rows if r["kind"] == "update"]
+    assert [r["epoch"] for r in evals] == [0, 1, 2] and all(r["n"] == 2 and 0 <= r["em"] <= 100 for r in evals)
+    assert [(r["epoch"], r["dense"]) for r in updates] == [(1, False), (2, True)]
+    for r in updates:
+        batch_rows = [t for t in read_jsonl(run / "traces" / f"epoch_{r['epoch']}.jsonl") if t["batch"] == r["batch"]]
+        assert r["policy_steps"] == sum(st["valid"] for t in batch_rows for st in t["steps"])   # V_τ, invalid out
+        assert r["decomposition_mse"] >= 0 and -1 <= r["mean_s"] <= 1
+        assert 0 <= r["rubric_parse_rate"] <= 1 and r["kl_mu"] >= 0 and r["kl_pi"] >= 0
+        assert min(r["seconds_rollout"], r["seconds_mu_annotate"], r["seconds_pi_update"], r["seconds_mu_update"]) > 0
+    trace = read_jsonl(run / "traces" / "epoch_2.jsonl")
+    assert len(trace) == 4                                                    # 2 questions × G = 2
+    for row in trace:
+        for st in row["steps"]:
+            assert len(st["criteria"]) == 3 and len(st["d"]) == 3 and -1 <= st["s"] <= 1
+            assert st["rubric_parsed"] or st.get("rubric_text")               # what μ wrote, always kept
+        assert [st["G"] for st in row["steps"]] == pytest.approx(arco.reward_to_go([st["s"] for st in row["steps"]]),
+                                                                 abs=1e-3)
+    assert (run / "checkpoints" / "epoch_2" / "mu" / "score_head.safetensors").is_file()
+    assert json.loads((run / "selection.json").read_text())["selected_epoch"] == 2
+    assert "## Sample training trajectories (epoch 2)" in (run / "report.md").read_text()
