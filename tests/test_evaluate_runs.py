@@ -22,16 +22,12 @@ import env
 import evaluate as ev
 import rubric_model as rm
 import warmup
+from test_arco import tiny_args
 
 
 def tiny_argv(tiny_dir, out, **kw):
-    argv = ["--dataset", "synthetic", "--model", str(tiny_dir), "--train-size", "2", "--eval-size", "3",
-            "--epochs", "2", "--dense-start-epoch", "2", "--batch-size", "2", "--group-size", "2",
-            "--max-new-tokens-pi", "8", "--max-new-tokens-mu", "12", "--out-dir", str(out), "--sft-epochs-pi", "1",
-            "--sft-epochs-mu", "1", "--warmup-samples", "2", "--device", "cpu"]
-    for k, v in kw.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
-    return argv
+    """test_arco's tiny run, with 2 training questions."""
+    return tiny_args(tiny_dir, out, train_size=2, **kw)
 
 
 @pytest.fixture(scope="module")
