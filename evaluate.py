@@ -66,14 +66,21 @@ examines the rubric model μ of the FIRST run. One command makes every table and
 """
 import argparse
 import dataclasses
+import functools
+import html
 import json
+import random
 import re
 import string
 import sys
+import threading
+import time
 import types
 import typing
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 
@@ -379,20 +386,14 @@ Z95 = 1.96  # two-sided 95% normal quantile, used by every interval below
 
 def proportion_ci(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     """95% Wilson score interval of a proportion k/n (stays inside [0, 1] and is sensible at
-    k = 0 or k = n, unlike p ± z·√(p(1−p)/n)). Tables report ± its half-width:
-    `proportion_half_width`. Table 3 (RQ3) gives Bind ± 95% CI half-widths."""
+    k = 0 or k = n, unlike p ± z·√(p(1−p)/n)). Tables report ± its half-width, (high − low) / 2,
+    as Table 3 (RQ3) gives Bind ± 95% CI half-widths."""
     if n <= 0 or not 0 <= k <= n:
         raise ValueError(f"proportion_ci: need 0 <= k <= n and n > 0, got k={k}, n={n}")
     p, z2 = k / n, z * z
     center = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z / (1 + z2 / n) * (p * (1 - p) / n + z2 / (4 * n * n)) ** 0.5
     return max(0.0, center - half), min(1.0, center + half)
-
-
-def proportion_half_width(k: int, n: int, z: float = Z95) -> float:
-    """Half the width of the Wilson interval of k/n (the ± a table prints)."""
-    low, high = proportion_ci(k, n, z)
-    return (high - low) / 2
 
 
 def mean_ci(values: Sequence[float], z: float = Z95) -> tuple[float, float]:
@@ -586,10 +587,6 @@ def read_predictions(path: str, known_ids: typing.Container[str] | None = None,
 
 
 # --------------------------------------------------------------------------- diagnostics: judges, page, plots (issue 6)
-import html
-import threading
-import time
-from pathlib import Path
 
 # §4.4 (RQ3). Our own prompt wording: the paper shows its prompts only as figures (Fig. 11–12).
 _BIND_SYSTEM = ("You check evaluation checklists. Each checklist was written to grade exactly one action of a "
@@ -789,25 +786,6 @@ def embedding_bind(encode, criteria: Sequence[str], candidates: Sequence[str]) -
     return int(np.argmax(v[1:] @ v[0]))
 
 
-def _judged_mean(values: Sequence[float | None]) -> tuple[float | None, int, int]:
-    scored = [v for v in values if v is not None]
-    return (sum(scored) / len(scored) if scored else None), len(scored), len(values) - len(scored)
-
-
-def bind_accuracy(picks: Sequence[int | None], gold: Sequence[int]) -> dict:
-    """Bind in % over the scored items (§4.4); an unscored pick (None) is neither right nor wrong."""
-    if len(picks) != len(gold):
-        raise ValueError(f"{len(picks)} picks but {len(gold)} gold indices")
-    acc, n, unscored = _judged_mean([None if p is None else 100.0 * (p == g) for p, g in zip(picks, gold)])
-    return {"bind": acc, "n": n, "unscored": unscored}
-
-
-def spec_mean(ratings: Sequence[int | None]) -> dict:
-    """Mean Spec (1–5, §4.4) over the scored items; unscored ratings (None) are left out."""
-    mean, n, unscored = _judged_mean(ratings)
-    return {"spec": mean, "n": n, "unscored": unscored}
-
-
 # Sample trajectories as one self-contained HTML page: inline CSS, no script, no external asset.
 _PAGE_CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 70em; color: #222; }
@@ -877,21 +855,15 @@ def trajectories_html(rows: Sequence[dict], title: str = "ARCO sample trajectori
             + "\n".join(body) + "</body></html>\n")
 
 
-def write_trajectories_html(rows: Sequence[dict], path: str | Path, title: str = "ARCO sample trajectories") -> Path:
-    """Write `trajectories_html(rows, title)` to `path` (folders made as needed)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(trajectories_html(rows, title), encoding="utf-8")
-    return path
-
-
 # PNG plots (matplotlib, Agg canvas, no pyplot state). Each returns its Figure so callers can check the data.
 _Series = Sequence[tuple[float, float | None]]
 
 
-def _plot_lines(series: dict[str, _Series], path: str | Path, title: str, ylabel: str, chance: float | None = None,
+def plot_lines(series: dict[str, _Series], path: str | Path, title: str, ylabel: str, chance: float | None = None,
                 ylim: tuple[float, float] | None = None, size: tuple[float, float] = (6.4, 4.0), dpi: int = 100):
-    """One line per named series of (epoch, value) points (sorted; None values skipped), saved as PNG."""
+    """One line per named series of (epoch, value) points (sorted; None values skipped), a dashed
+    `chance` line if given, saved as PNG. The report's three: dev EM per epoch of each run (§4.2
+    selects the checkpoint by peak dev EM), mean s_t per position bucket (Eq. 3–4), credit AUC."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -919,11 +891,6 @@ def _plot_lines(series: dict[str, _Series], path: str | Path, title: str, ylabel
 def dev_em_series(metrics: Iterable[dict]) -> list[tuple[int, float]]:
     """(epoch, dev EM) pairs of a run's metrics.jsonl rows (the `kind: eval` ones)."""
     return [(r["epoch"], r["em"]) for r in metrics if r.get("kind") == "eval"]
-
-
-def plot_dev_em(runs: dict[str, _Series], path: str | Path):
-    """Dev EM (%) per epoch, one line per run (§4.2's checkpoint selection by peak dev EM)."""
-    return _plot_lines(runs, path, "Dev EM per epoch", "dev EM (%)")
 
 
 def _buckets(steps: Sequence[dict]) -> list[str | None]:
@@ -954,23 +921,10 @@ def bucket_mean_scores(rows: Iterable[dict]) -> dict[str, list[tuple[int, float]
     return {b: [(ep, sum(v) / len(v)) for ep, v in sorted(sums[b].items())] for b in order}
 
 
-def plot_bucket_scores(scores: dict[str, _Series], path: str | Path):
-    """Mean step score s_t per position bucket and epoch (search_1 … terminal; Eq. 3–4);
-    `scores` as bucket_mean_scores returns it."""
-    return _plot_lines(scores, path, "Mean step score per bucket", "mean s_t", ylim=(-1.05, 1.05))
-
-
-def plot_auc(series: dict[str, _Series] | _Series, path: str | Path):
-    """A per-epoch AUC series (one, or several by name), with chance at 0.5."""
-    return _plot_lines(series if isinstance(series, dict) else {"AUC": series}, path, "AUC per epoch", "AUC",
-                       chance=0.5, ylim=(0.0, 1.0))
-
-
 # --------------------------------------------------------------------------- runs: comparison and diagnostics (issue 6)
 # `python evaluate.py --run DIR [--run DIR ...] [--diagnose]`. Reads what arco.py leaves in a run folder
 # (args.json, metrics.jsonl, traces/, checkpoints/, selection.json) and its warmup folder; loads models
 # (env, warmup, rubric_model, torch) only where an evaluation or a μ diagnostic needs them.
-import random
 
 _METRICS = ("n", "em", "f1", "mean_searches", "invalid_rate", "finished_rate")
 
@@ -1110,20 +1064,14 @@ def open_run(folder: str | Path, checkpoint: str | None = None) -> Run:
     return Run(folder, folder.name, args, checkpoint, epoch, selected, warm)
 
 
-class _Lazy:
-    """What several steps may need and only some build: the retriever (one per command)."""
-
-    def __init__(self):
-        self._retriever = None
-
-    def retriever(self):
-        if self._retriever is None:
-            import env
-            self._retriever = env.Retriever()
-        return self._retriever
+@functools.cache
+def _retriever():
+    """The retriever (MiniLM and its index cache), built once per command and only if needed."""
+    import env
+    return env.Retriever()
 
 
-def evaluation(run: Run, split: str, data_dir: str | None, device: str, reevaluate: bool, lazy: _Lazy) -> dict:
+def evaluation(run: Run, split: str, data_dir: str | None, device: str, reevaluate: bool) -> dict:
     """Greedy scores of the run's checkpoint on `split` (the _METRICS, by_type, source), reusing an
     evaluation already made unless `reevaluate`: on dev, the run's own (metrics.jsonl's eval row
     of that epoch; the breakdown from traces/eval_epoch_K.jsonl); else one stored by an earlier
@@ -1151,7 +1099,7 @@ def evaluation(run: Run, split: str, data_dir: str | None, device: str, reevalua
     print(f"[evaluate] {run.name}: evaluating {run.checkpoint} greedily on {len(examples)} {split} questions",
           flush=True)
     pi, _ = load_backbone_checkpoint(run.policy_dir(), device=device)
-    scores, trajs = warmup.evaluate_policy(pi, examples, lazy.retriever(), a["max_new_tokens_pi"], a["obs_chars"],
+    scores, trajs = warmup.evaluate_policy(pi, examples, _retriever(), a["max_new_tokens_pi"], a["obs_chars"],
                                            a.get("gen_batch") or 16, a.get("max_searches"))
     del pi
     rows = []
@@ -1187,12 +1135,11 @@ def warmup_rows(runs: Sequence[Run]) -> list[dict]:
     return rows
 
 
-def compare_runs(runs: Sequence[Run], split: str, data_dir: str | None, device: str, reevaluate: bool,
-                 lazy: _Lazy) -> dict:
+def compare_runs(runs: Sequence[Run], split: str, data_dir: str | None, device: str, reevaluate: bool) -> dict:
     """The side-by-side comparison: warmup rows (dev only), then one row per run."""
     rows = warmup_rows(runs) if split == "dev" else []
     for run in runs:
-        scores = evaluation(run, split, data_dir, device, reevaluate, lazy)
+        scores = evaluation(run, split, data_dir, device, reevaluate)
         scores = {k: v for k, v in scores.items() if k not in ("checkpoint", "split")}   # the row says them
         mu = run.args.get("reward") != "outcome"
         rows.append({"system": run.name, "checkpoint": run.checkpoint + (" (selected)" if run.selected else ""),
@@ -1308,7 +1255,6 @@ def trace_binding(rows: Sequence[dict], encode, seed: int = 0, judge: Any = None
         k: _proportion(sum(picks[j] == items[j]["gold"] for j in group(k)), len(group(k)),
                        [1 / len(items[j]["candidates"]) for j in group(k)]) for k in kinds}}
     if judge is not None:
-        from concurrent.futures import ThreadPoolExecutor
         asked = sorted(random.Random(seed).sample(range(len(items)), min(judge_items, len(items))))
         with ThreadPoolExecutor(8) as pool:
             bind = dict(zip(asked, pool.map(lambda j: judge.bind(items[j]["criteria"], items[j]["candidates"]), asked)))
@@ -1350,7 +1296,7 @@ def trace_redundancy(rows: Sequence[dict], encode, threshold: float = 0.8) -> di
     return {**redundancy_summary(per_step), "steps_without_criteria": without}
 
 
-def heldout_set(run: Run, n_questions: int, samples: int, seed: int, data_dir: str | None, lazy: _Lazy):
+def heldout_set(run: Run, n_questions: int, samples: int, seed: int, data_dir: str | None):
     """The fixed held-out trajectories with known step labels: the oracle teacher's gold (sample 0)
     and imperfect trajectories (samples 1.. rotate through redundant / wrong-entity / premature /
     wrong-answer) on the first `n_questions` of a seeded dev sample, played in the real
@@ -1360,7 +1306,7 @@ def heldout_set(run: Run, n_questions: int, samples: int, seed: int, data_dir: s
     a = run.args
     examples = env.load_split(a["dataset"], "dev", data_dir or a.get("data_dir") or None, n_questions, seed)
     teacher = warmup.OracleTeacher(seed=seed, obs_chars=a.get("obs_chars") or 400)
-    trajs, metas = teacher.rollout([(ex, s) for ex in examples for s in range(samples)], lazy.retriever())
+    trajs, metas = teacher.rollout([(ex, s) for ex in examples for s in range(samples)], _retriever())
     return trajs, metas, [step_usefulness(t) for t in trajs]
 
 
@@ -1442,12 +1388,12 @@ def fitted_threshold(rows: Sequence[dict]) -> dict | None:
     return {"threshold": thr, "trajectories": len(scored)}
 
 
-def diagnose_mu(run: Run, args: "Args", lazy: _Lazy) -> dict:
+def diagnose_mu(run: Run, args: "Args") -> dict:
     """Credit assignment and the judge lens (see the module docstring) for the untrained μ, the
     warmup μ and μ after each RL epoch of `run`, on the held-out set."""
     from rubric_model import RubricModel
     trajs, metas, labels = heldout_set(run, args.heldout_questions, args.heldout_samples, args.seed,
-                                       args.data_dir, lazy)
+                                       args.data_dir)
     kinds = [[st.action for st in t.steps] for t in trajs]
     rewards = [t.reward for t in trajs]
     f1s = [f1_score(t.answer, t.example.answers) if t.finished else 0.0 for t in trajs]
@@ -1562,7 +1508,7 @@ def diagnostics_markdown(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def diagnose(runs: Sequence[Run], args: "Args", lazy: _Lazy) -> dict[str, Path]:
+def diagnose(runs: Sequence[Run], args: "Args") -> dict[str, Path]:
     """--diagnose: the μ diagnostics of runs[0], RQ3 / RQ4 of every run with criteria, the plots and
     the page, all written into runs[0]'s folder. Returns {what: path}."""
     run = runs[0]
@@ -1570,8 +1516,8 @@ def diagnose(runs: Sequence[Run], args: "Args", lazy: _Lazy) -> dict[str, Path]:
     d: dict[str, Any] = {"run": run.name, "dataset": run.args["dataset"], "checkpoint": run.checkpoint, "runs": {}}
     if args.judge_model:
         OpenAIJudge(args.judge_model)                 # fails here, before any model work, without a key
-    d["credit"] = diagnose_mu(run, args, lazy)
-    encode = _CachedEncoder(lazy.retriever().encode)
+    d["credit"] = diagnose_mu(run, args)
+    encode = _CachedEncoder(_retriever().encode)
     for r in runs:
         rows = r.training_traces(r.epoch)
         entry = {"epoch": r.epoch, "k": r.args.get("k"), "rubric": r.args.get("rubric"),
@@ -1584,11 +1530,11 @@ def diagnose(runs: Sequence[Run], args: "Args", lazy: _Lazy) -> dict[str, Path]:
         d["runs"][r.name] = entry
     files = {}
     series = {r.name: dev_em_series(r.metrics()) for r in runs}
-    plot_dev_em(series, out / "dev_em.png")
+    plot_lines(series, out / "dev_em.png", "Dev EM per epoch", "dev EM (%)")
     files["dev_em.png"] = "dev EM per epoch, every --run"
     all_rows = [row for e in run.trace_epochs() for row in run.training_traces(e)]
     buckets = bucket_mean_scores(all_rows)
-    plot_bucket_scores(buckets, out / "bucket_scores.png")
+    plot_lines(buckets, out / "bucket_scores.png", "Mean step score per bucket", "mean s_t", ylim=(-1.05, 1.05))
     files["bucket_scores.png"] = f"mean s_t per position bucket and epoch, {run.name}'s training traces"
     stages = d["credit"]["stages"]
     auc_series = {"held-out steps": [(r["x"], r["auc_steps"]) for r in stages],
@@ -1596,12 +1542,12 @@ def diagnose(runs: Sequence[Run], args: "Args", lazy: _Lazy) -> dict[str, Path]:
                   "held-out Σs vs R": [(r["x"], r["auc_sum_vs_R"]) for r in stages],
                   "own rollouts (traces)": [(r["epoch"], r["auc"]) for r in d["credit"]["training_traces_auc"]]}
     auc_series = {k: v for k, v in auc_series.items() if any(y is not None for _, y in v)}  # no empty legend
-    plot_auc(auc_series, out / "credit_auc.png")
+    plot_lines(auc_series, out / "credit_auc.png", "Credit-assignment AUC", "AUC", chance=0.5, ylim=(0.0, 1.0))
     files["credit_auc.png"] = "credit-assignment AUC over training (x = -1 untrained μ, 0 warmup μ, K epoch K)"
     epochs = run.trace_epochs()
     shown = run.training_traces(epochs[-1])[:args.html_trajectories] if epochs else []
-    write_trajectories_html(shown, out / "trajectories.html",
-                            f"ARCO run {run.name}: training trajectories of epoch {epochs[-1] if epochs else '—'}")
+    title = f"ARCO run {run.name}: training trajectories of epoch {epochs[-1] if epochs else '—'}"
+    (out / "trajectories.html").write_text(trajectories_html(shown, title), encoding="utf-8")
     files["trajectories.html"] = f"{len(shown)} training trajectories of the last epoch with rubrics and scores"
     d["figures"] = {"dev_em.png": series, "bucket_scores.png": buckets, "credit_auc.png": auc_series}
     files["diagnostics.json"] = "every number above, and the data of each figure"
@@ -1628,8 +1574,7 @@ def run_command(args: "Args") -> None:
         why = "an outcome run" if runs[0].args.get("reward") == "outcome" else "no checkpoints/epoch_K/mu"
         raise RunError(f"--diagnose examines μ of the first --run, but {runs[0].dir} has no μ checkpoint ({why}); "
                        f"put an ARCO run first")
-    lazy = _Lazy()
-    comp = compare_runs(runs, args.split, args.data_dir, args.device, args.reevaluate, lazy)
+    comp = compare_runs(runs, args.split, args.data_dir, args.device, args.reevaluate)
     stem = "comparison" if args.split == "dev" else f"comparison-{args.split}"
     md = comparison_markdown(comp)
     (runs[0].dir / f"{stem}.md").write_text(md, encoding="utf-8")
@@ -1637,7 +1582,7 @@ def run_command(args: "Args") -> None:
     print(md)
     written = {"comparison table": runs[0].dir / f"{stem}.md", "comparison data": runs[0].dir / f"{stem}.json"}
     if args.diagnose:
-        written.update(diagnose(runs, args, lazy))
+        written.update(diagnose(runs, args))
     print("Written:")
     for what, path in written.items():
         print(f"  {what}: {path}")

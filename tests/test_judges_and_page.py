@@ -9,6 +9,7 @@ import tempfile
 import threading
 import time
 import zlib
+from collections import Counter
 from html.parser import HTMLParser
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -168,20 +169,45 @@ def test_judge_http_errors_retry_then_unscored_quickly(fake_api):
     assert j.counters["failed_calls"] == 2 and j.counters["scored"] == 1
 
 
-def test_unscored_item_is_excluded_from_accuracy(fake_api):
-    api = fake_api({"right1": [(200, "A")], "right2": [(200, "C")], "wrong": [(200, "B")],
-                    "mal": [(200, "no idea")], "down": [(500, "")],
-                    "s3": [(200, "3")], "s5": [(200, "5")], "sbad": [(200, "maybe")]})
-    j = judge(api, max_retries=1)
-    picks = [j.bind([f"case={c}"], CANDIDATES) for c in ("right1", "right2", "wrong", "mal", "down")]
-    assert picks == [0, 2, 1, None, None]
-    result = ev.bind_accuracy(picks, [0, 2, 0, 0, 0])              # the unscored two would be right
-    assert result == {"bind": pytest.approx(200 / 3), "n": 3, "unscored": 2}
-    ratings = [j.spec("Q?", "", "a", [f"case={c}"]) for c in ("s3", "s5", "sbad")]
-    assert ev.spec_mean(ratings) == {"spec": 4.0, "n": 2, "unscored": 1}
-    assert ev.bind_accuracy([None], [0]) == {"bind": None, "n": 0, "unscored": 1}
-    with pytest.raises(ValueError):
-        ev.bind_accuracy([0, 1], [0])
+class ScriptedJudge:
+    """A judge with OpenAIJudge's interface whose verdict each item's first criterion dictates:
+    'right' picks the gold candidate (named by the second criterion), 'wrong' another one, 'unscored'
+    gives None (what OpenAIJudge returns for a malformed reply or a failed call); Spec answers the
+    rating after 'spec=' (None for 'spec=none')."""
+    model, last_error = "scripted", ""
+
+    def __init__(self):
+        self.counters = Counter()
+
+    def bind(self, criteria, candidates):
+        verdict, gold = criteria[0], criteria[1]
+        if verdict == "unscored":
+            return None
+        return candidates.index(gold) if verdict == "right" else next(
+            i for i, c in enumerate(candidates) if c != gold)
+
+    def spec(self, question, prefix, action, criteria):
+        rating = criteria[2].split("=")[1]
+        return None if rating == "none" else int(rating)
+
+
+def test_unscored_items_are_left_out_of_bind_and_spec():
+    # one trajectory, four steps with distinct actions: every step is a 4-candidate item
+    actions = [("search", "Ann"), ("search", "Bob"), ("search", "Cy"), ("finish", "1951")]
+    verdicts = [("right", "spec=5"), ("wrong", "spec=3"), ("unscored", "spec=none"), ("right", "spec=4")]
+    steps = [{"action": a, "argument": x, "valid": True, "observation": "",
+              "criteria": [v, f"{a.capitalize()}[{x}]", r]} for (a, x), (v, r) in zip(actions, verdicts)]
+    rows = [{"question": "Q?", "steps": steps}]
+    b = ev.trace_binding(rows, bag_of_words, seed=3, judge=ScriptedJudge(), judge_items=4)
+    o = b["openai"]
+    # the unscored item is neither right nor wrong: 2 right of 3 scored, not 2 of 4 or 3 of 4
+    assert o["bind"]["all"]["n"] == 3 and o["bind"]["all"]["correct"] == 2 and o["bind"]["all"]["unscored"] == 1
+    assert o["bind"]["all"]["bind"] == pytest.approx(200 / 3)
+    assert o["bind"]["search"] == {**o["bind"]["search"], "n": 2, "correct": 1, "unscored": 1}
+    assert o["bind"]["finish"]["n"] == o["bind"]["finish"]["correct"] == 1
+    # Spec: the mean of the three ratings given, 4.0 (not 3.0, as if the missing one were 0)
+    assert o["spec"]["all"]["n"] == 3 and o["spec"]["all"]["spec"] == pytest.approx(4.0)
+    assert o["spec"]["all"]["unscored"] == 1 and o["spec"]["search"]["spec"] == pytest.approx(4.0)
 
 
 # ----------------------------------------------------------------------------- offline embedding judge
@@ -233,14 +259,12 @@ def sample_rows():
     ]
 
 
-def test_trajectories_html_is_self_contained_and_escaped(tmp_path):
+def test_trajectories_html_is_self_contained_and_escaped():
     page = ev.trajectories_html(sample_rows(), title="Epoch 3 <samples>")
     assert "<script" not in page and "&lt;script&gt;" in page
     assert "<b>bold</b>" not in page and "&lt;b&gt;bold&lt;/b&gt;" in page
     assert not re.search(r"\b(src|href)=|url\(|@import|https?://", page)   # no external asset
     assert "<title>Epoch 3 &lt;samples&gt;</title>" in page
-    path = ev.write_trajectories_html(sample_rows(), tmp_path / "sub" / "page.html")
-    assert path.read_text(encoding="utf-8") == ev.trajectories_html(sample_rows())
 
 
 class DomText(HTMLParser):
@@ -327,7 +351,7 @@ def test_plot_dev_em(tmp_path):
     metrics = [{"kind": "eval", "epoch": 0, "em": 20.0}, {"kind": "update", "epoch": 1, "batch": 0},
                {"kind": "eval", "epoch": 2, "em": 31.5}, {"kind": "eval", "epoch": 1, "em": 25.0}]
     runs = {"arco": ev.dev_em_series(metrics), "sparse": [(0, 20.0), (1, 22.0), (2, 21.0)]}
-    fig = ev.plot_dev_em(runs, tmp_path / "plots" / "dev_em.png")
+    fig = ev.plot_lines(runs, tmp_path / "plots" / "dev_em.png", "Dev EM", "EM")
     assert read_png(tmp_path / "plots" / "dev_em.png").shape == (400, 640, 4)
     assert lines(fig) == {"arco": ([0, 1, 2], [20.0, 25.0, 31.5]), "sparse": ([0, 1, 2], [20.0, 22.0, 21.0])}
 
@@ -339,16 +363,16 @@ def test_bucket_scores_from_traces_and_plot(tmp_path):
     assert list(scores) == ["search_1", "terminal"]              # q2's finish has no recorded bucket: derived
     assert scores["search_1"] == [(1, 0.875), (2, 0.375)]
     assert scores["terminal"] == [(1, pytest.approx(-0.25)), (2, pytest.approx(-0.25))]  # mean of 0.25, -0.75
-    fig = ev.plot_bucket_scores(scores, tmp_path / "buckets.png")
+    fig = ev.plot_lines(scores, tmp_path / "buckets.png", "Buckets", "mean s_t")
     assert read_png(tmp_path / "buckets.png").shape == (400, 640, 4)
     assert lines(fig)["search_1"] == ([1, 2], [0.875, 0.375])
 
 
 def test_plot_auc(tmp_path):
-    fig = ev.plot_auc([(2, 0.7), (1, 0.55), (3, None)], tmp_path / "auc.png")
+    fig = ev.plot_lines({"AUC": [(2, 0.7), (1, 0.55), (3, None)]}, tmp_path / "auc.png", "AUC", "AUC", chance=0.5)
     assert read_png(tmp_path / "auc.png").shape == (400, 640, 4)
     got = lines(fig)
     assert got["AUC"] == ([1, 2], [0.55, 0.7])                   # sorted by epoch; an undefined AUC skipped
     assert got["chance"][1] == [0.5, 0.5]
-    fig = ev.plot_auc({"mu": [(1, 0.6)], "oracle": [(1, 0.9)]}, tmp_path / "auc2.png")
+    fig = ev.plot_lines({"mu": [(1, 0.6)], "oracle": [(1, 0.9)]}, tmp_path / "auc2.png", "AUC", "AUC", chance=0.5)
     assert set(lines(fig)) == {"mu", "oracle", "chance"}
