@@ -1,6 +1,9 @@
 """Shared test fixtures: the repository on sys.path and the shared data samples."""
+import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +49,53 @@ def tiny_dir(smol_dir, tmp_path_factory):
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+class ChatServer:
+    """A fake OpenAI-compatible API on 127.0.0.1 (a free port, a daemon thread), for the tests of the
+    warmup's OpenAI teacher and evaluate.py's judge. `respond(path, body, auth)` returns
+    (status, payload) or (status, payload, seconds to sleep before answering); `url` is the base URL
+    the openai client takes."""
+
+    def __init__(self, respond):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                status, payload, *sleep = respond(self.path, body, self.headers.get("Authorization", ""))
+                time.sleep(sleep[0] if sleep else 0)
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):   # the client gave up (a timeout test)
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+    @staticmethod
+    def completion(text: str, model: str = "fake", prompt_tokens: int = 50, completion_tokens: int = 1) -> dict:
+        """A chat.completion body whose one choice says `text`."""
+        return {"id": "c", "object": "chat.completion", "created": 0, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    @staticmethod
+    def error(message: str) -> dict:
+        """An error body as the API sends it."""
+        return {"error": {"message": message, "type": "server_error", "code": None}}

@@ -12,8 +12,6 @@ import html
 import json
 import re
 import shutil
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -22,6 +20,7 @@ import env
 import evaluate as ev
 import rubric_model as rm
 import warmup
+from conftest import ChatServer
 from test_arco import tiny_args
 
 
@@ -247,26 +246,9 @@ class FakeJudge:
 
     def __init__(self):
         self.calls = 0
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(handler):
-                body = json.loads(handler.rfile.read(int(handler.headers["Content-Length"])))
-                text = self.reply(body["messages"][-1]["content"])
-                data = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
-                                   "choices": [{"index": 0, "finish_reason": "stop",
-                                                "message": {"role": "assistant", "content": text}}]}).encode()
-                handler.send_response(200)
-                handler.send_header("Content-Type", "application/json")
-                handler.send_header("Content-Length", str(len(data)))
-                handler.end_headers()
-                handler.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = ChatServer(lambda path, body, auth: (200, ChatServer.completion(
+            self.reply(body["messages"][-1]["content"]), body["model"])))
+        self.url = self.server.url
 
     def reply(self, prompt):
         self.calls += 1
@@ -308,7 +290,7 @@ def diagnosed(runs, tmp_path_factory):
                      "--diagnose", "--heldout-questions", 3, "--heldout-samples", 2, "--device", "cpu",
                      "--judge-model", "fake-judge", "--judge-items", 6, "--html-trajectories", 4])
     mp.undo()
-    judge.server.shutdown()
+    judge.server.close()
     assert code == 0
     run = runs / "arco-oracle"
     return run, json.loads((run / "diagnostics.json").read_text()), out.getvalue(), judge

@@ -11,13 +11,13 @@ import time
 import zlib
 from collections import Counter
 from html.parser import HTMLParser
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import evaluate as ev
+from conftest import ChatServer
 
 KEY = "sk-judge-test-key-9876543210"
 
@@ -59,36 +59,14 @@ def test_parse_rating(reply, rating):
 
 
 class FakeJudgeAPI:
-    """/v1/chat/completions on 127.0.0.1 (a thread, a free port). The user message names its case as
+    """/v1/chat/completions on 127.0.0.1 (conftest.ChatServer). The user message names its case as
     `case=NAME`; `script[NAME]` lists the (status, text) answers to that case's requests in order,
     the last one repeating. A status other than 200 answers an error body that echoes the key."""
 
     def __init__(self, script):
         self.script, self.seen, self.lock = script, {}, threading.Lock()
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, payload = api.respond(self.path, body, self.headers.get("Authorization", ""))
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.server = ChatServer(self.respond)
+        self.url, self.close = self.server.url, self.server.close
 
     def respond(self, path, body, auth):
         assert path == "/v1/chat/completions" and auth == f"Bearer {KEY}"
@@ -99,11 +77,8 @@ class FakeJudgeAPI:
             self.seen[case] = n + 1
         status, text = self.script[case][min(n, len(self.script[case]) - 1)]
         if status != 200:
-            return status, {"error": {"message": f"backend failed for {auth}", "type": "server_error", "code": None}}
-        return 200, {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
-                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": "stop"}],
-                     "usage": {"prompt_tokens": 50, "completion_tokens": 1, "total_tokens": 51}}
+            return status, ChatServer.error(f"backend failed for {auth}")
+        return 200, ChatServer.completion(text, body["model"])
 
 
 @pytest.fixture

@@ -10,14 +10,13 @@ import sys
 import threading
 import time
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 import env
 import warmup
-from conftest import REPO
+from conftest import REPO, ChatServer
 
 FAKE_KEY = "sk-fake-ARCO-test-key-0123456789"
 
@@ -285,47 +284,19 @@ class FakeAPI:
         self.log = []  # (question, kind, messages)
         self.seen = Counter()
         self.lock = threading.Lock()
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, payload, sleep = api.respond(self.path, body, self.headers.get("Authorization", ""))
-                time.sleep(sleep)
-                data = json.dumps(payload).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.server = ChatServer(self.respond)
+        self.url, self.close = self.server.url, self.server.close
 
     def count(self, question=None, kind=None, since=0):
         return sum((question is None or q == question) and (kind is None or k == kind) for q, k, _ in self.log[since:])
 
     @staticmethod
     def reply(text):
-        return {"id": "cmpl-1", "object": "chat.completion", "created": 0, "model": "fake",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}}
+        return ChatServer.completion(text, prompt_tokens=100, completion_tokens=10)
 
     @staticmethod
     def error(status, message):
-        return {"error": {"message": message, "type": "server_error", "code": None}}
+        return ChatServer.error(message)
 
     def respond(self, path, body, auth):
         if path != "/v1/chat/completions":
