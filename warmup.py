@@ -18,7 +18,8 @@ What lives here, top to bottom:
      states the decomposition constraint); robust parsing, retries with exponential backoff,
      token and cost counters;
   4. collection: k samples per question, one JSON record per (question, sample) appended and
-     fsync'ed to `runs/<dataset>/warmup/records.jsonl` as it finishes; a rerun resumes;
+     fsync'ed to `runs/<dataset>/warmup/records.jsonl` as it finishes; a rerun resumes; a collection
+     for another K goes beside it (`records-k5.jsonl`, `collection_suffix`);
   5. filtering (Eq. 6 within a tolerance; steps with empty criteria) and the two SFT datasets:
      `policy_sft_examples` (π: the exact RL policy prompt -> the action string) and
      `rubric_sft_examples` (μ: question, prefix h_t, action a_t, K criteria, K projected scores).
@@ -964,7 +965,8 @@ def _run_group(teacher, group: list[tuple[env.Example, list[int]]], retriever, K
 
 def collect(examples: Sequence[env.Example], teacher, retriever, out_dir: str | Path, k: int = 4, K: int = 3,
             tol: float = 1e-6, progress: bool = True) -> dict:
-    """Collect k annotated trajectories per question into out_dir/records.jsonl (App. B).
+    """Collect k annotated trajectories per question into out_dir/records.jsonl (App. B), or
+    records-k{K}.jsonl for K ≠ 3 (`collection_suffix`; failures.jsonl likewise).
 
     Resumable: (id, sample) pairs already in records.jsonl are skipped and cost no teacher call.
     Failures (after retries) go to failures.jsonl and are tried again by the next run. Returns the
@@ -974,7 +976,8 @@ def collect(examples: Sequence[env.Example], teacher, retriever, out_dir: str | 
 
     from tqdm import tqdm
     out_dir = Path(out_dir)
-    path = out_dir / "records.jsonl"
+    ks = collection_suffix(K)
+    path = out_dir / f"records{ks}.jsonl"
     old = read_jsonl(path, repair=True)
     for r in old:
         if r.get("K") != K or r.get("teacher") != teacher.name:
@@ -988,7 +991,7 @@ def collect(examples: Sequence[env.Example], teacher, retriever, out_dir: str | 
     jobs = [(ex, [s for s in range(k) if (ex.id, s) not in done]) for ex in examples]
     jobs = [j for j in jobs if j[1]]
     counts = Counter(skipped_finished=sum(k - len(j[1]) for j in jobs) + k * (len(examples) - len(jobs)))
-    records, failures = JsonlWriter(path), JsonlWriter(out_dir / "failures.jsonl")
+    records, failures = JsonlWriter(path), JsonlWriter(out_dir / f"failures{ks}.jsonl")
     lock = threading.Lock()  # API workers write from their own threads
 
     def write(rec: dict) -> None:
@@ -1263,12 +1266,20 @@ def eval_settings(eval_size: int, seed: int, max_new_tokens: int, obs_chars: int
             "gen_batch": gen_batch}
 
 
+def collection_suffix(K: int) -> str:
+    """'' for K = 3, else '-k{K}': the suffix of a collection's files in a warmup folder (records, failures,
+    the two SFT sets, summary). Every criterion list of a collection has exactly K items, so a run with
+    another K (RQ4, Fig. 4) collects its own annotations beside the first collection and still shares the
+    folder's π SFT, as its μ folder does (`mu_sft-k5`)."""
+    return "" if K == 3 else f"-k{K}"
+
+
 def mu_dir_name(rubric_mode: str = "adaptive", K: int = 3, mu_model: str = "", model: str = "embedded") -> str:
     """The folder of a warmup's μ: `mu_sft` for ARCO's own μ (adaptive, K = 3, π's backbone), and
     one folder per variant beside it (`mu_sft-none`, `mu_sft-k5`, ...), so that every run of the
     paper's comparisons shares one collection and one π SFT."""
     suffix = "" if rubric_mode == "adaptive" else f"-{rubric_mode}"
-    suffix += "" if K == 3 else f"-k{K}"
+    suffix += collection_suffix(K)
     if mu_model and mu_model != model:
         suffix += "-" + re.sub(r"[^A-Za-z0-9._-]+", "_", mu_model.strip("/").split("/")[-1])
     return "mu_sft" + suffix
@@ -1381,17 +1392,18 @@ def run(args: Args) -> Path:
     teacher = make_teacher(args)
     retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
     write_json(out_dir / "args.json", dataclasses.asdict(args))
+    ks = collection_suffix(args.K)
     try:
         run_counts = collect(examples, teacher, retriever, out_dir, args.samples, args.K, args.tol, args.progress)
     except KeyboardInterrupt:
-        sys.exit(f"interrupted: every finished record is in {out_dir / 'records.jsonl'}; "
+        sys.exit(f"interrupted: every finished record is in {out_dir / f'records{ks}.jsonl'}; "
                  f"rerun the same command to resume")
     wanted = {ex.id for ex in examples}
-    records = [r for r in read_jsonl(out_dir / "records.jsonl") if r["id"] in wanted and r["sample"] < args.samples]
+    records = [r for r in read_jsonl(out_dir / f"records{ks}.jsonl") if r["id"] in wanted and r["sample"] < args.samples]
     summary, pi, mu = summarize(records, run_counts, args, teacher)
-    for name, rows in (("policy_sft.jsonl", pi), ("rubric_sft.jsonl", mu)):
+    for name, rows in ((f"policy_sft{ks}.jsonl", pi), (f"rubric_sft{ks}.jsonl", mu)):
         (out_dir / name).write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in rows), encoding="utf-8")
-    write_json(out_dir / "summary.json", summary)
+    write_json(out_dir / f"summary{ks}.json", summary)
     failed = sum(v for k, v in run_counts.items() if k.startswith("failed_"))
     print(f"warmup records: {summary['records']} (R=1: {summary['reward_1']}, R=0: {summary['reward_0']}, "
           f"evidence found: {summary['evidence_found']}); this run: {run_counts.get('records', 0)} new, "
@@ -1401,7 +1413,8 @@ def run(args: Args) -> Path:
     if summary["teacher_usage_this_run"]:
         print(f"teacher usage: {summary['teacher_usage_this_run']}")
     if args.collect_only:
-        print(f"written to {out_dir}/ (records.jsonl, summary.json, policy_sft.jsonl, rubric_sft.jsonl)")
+        print(f"written to {out_dir}/ (records{ks}.jsonl, summary{ks}.json, policy_sft{ks}.jsonl, "
+              f"rubric_sft{ks}.jsonl)")
         return out_dir
     if not pi or not mu:
         raise ValueError(f"nothing to fine-tune on: {len(pi)} π SFT and {len(mu)} μ SFT examples")
@@ -1413,7 +1426,7 @@ def run(args: Args) -> Path:
               f"error {m['mu_sft_terms_before']['score_sq_error']:.3f} -> "
               f"{m['mu_sft_terms_after']['score_sq_error']:.3f}")
     print(f"written to {out_dir}/ (pi_sft/, {mu_dir_name(args.rubric_mode, args.K, args.mu_model, args.model)}/, "
-          f"metrics.json, records.jsonl, summary.json)")
+          f"metrics.json, records{ks}.jsonl, summary{ks}.json)")
     return out_dir
 
 

@@ -114,6 +114,23 @@ def test_an_ablation_reuses_the_warmup_and_trains_only_its_own_mu(tiny_run, tiny
     assert updates and all(r["kl_mu"] == 0 and r["decomposition_mse"] >= 0 for r in updates)
 
 
+def test_a_k_ablation_collects_its_own_annotations_and_shares_pi_sft(tiny_run, tiny_dir, monkeypatch):
+    """RQ4's K = 5 beside the K = 3 run: its K-criteria collection goes to records-k5.jsonl (the K = 3
+    records untouched), its μ to mu_sft-k5/, and π SFT is the folder's one."""
+    import warmup
+    warm = tiny_run / "synthetic" / "warmup"
+    before = (warm / "records.jsonl").read_bytes()
+    monkeypatch.setattr(warmup, "train_policy_sft", lambda *a, **kw: pytest.fail("π SFT ran a second time"))
+    arco.main(tiny_args(tiny_dir, tiny_run, k=5, epochs=1))
+    assert (warm / "records.jsonl").read_bytes() == before
+    records = read_jsonl(warm / "records-k5.jsonl")
+    assert records and all(r["K"] == 5 for r in records)
+    assert all(len(r["criteria"]) == len(r["scores"]) == 5 for r in read_jsonl(warm / "rubric_sft-k5.jsonl"))
+    assert rm.RubricModel.load(warm / "mu_sft-k5", device="cpu").k == 5
+    rows = read_jsonl(tiny_run / "synthetic" / "arco-k5" / "traces" / "epoch_1.jsonl")
+    assert rows and all(len(st["d"]) == 5 for r in rows for st in r["steps"])
+
+
 def test_epoch_0_is_the_warmups_sft_only_evaluation_and_equals_a_fresh_one(tiny_run, tiny_dir):
     """arco.py takes the warmup's SFT-only evaluation as epoch 0 (same settings); evaluating π_sft
     plus the fresh B = 0 adapter again gives exactly the same numbers and trajectories."""
