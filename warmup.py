@@ -1269,8 +1269,10 @@ def eval_settings(eval_size: int, seed: int, max_new_tokens: int, obs_chars: int
 def collection_suffix(K: int) -> str:
     """'' for K = 3, else '-k{K}': the suffix of a collection's files in a warmup folder (records, failures,
     the two SFT sets, summary). Every criterion list of a collection has exactly K items, so a run with
-    another K (RQ4, Fig. 4) collects its own annotations beside the first collection and still shares the
-    folder's π SFT, as its μ folder does (`mu_sft-k5`)."""
+    another K collects its own annotations beside the first collection and still shares the folder's
+    π SFT, as its μ folder does (`mu_sft-k5`). §4.5 (RQ4) reuses the warmup trajectories and re-runs only
+    the annotation for each K: the oracle teacher does exactly that (its trajectories depend only on the
+    seed); the OpenAI teacher samples its trajectories again."""
     return "" if K == 3 else f"-k{K}"
 
 
