@@ -125,6 +125,10 @@ def test_a_k_ablation_collects_its_own_annotations_and_shares_pi_sft(tiny_run, t
     assert (warm / "records.jsonl").read_bytes() == before
     records = read_jsonl(warm / "records-k5.jsonl")
     assert records and all(r["K"] == 5 for r in records)
+    # §4.5: the same warmup trajectories, annotated again with K = 5 (the oracle's depend only on the seed)
+    def actions(rs):
+        return {(r["id"], r["sample"]): [(st["action"], st["argument"]) for st in r["steps"]] for r in rs}
+    assert actions(records) == actions(read_jsonl(warm / "records.jsonl"))
     assert all(len(r["criteria"]) == len(r["scores"]) == 5 for r in read_jsonl(warm / "rubric_sft-k5.jsonl"))
     assert rm.RubricModel.load(warm / "mu_sft-k5", device="cpu").k == 5
     rows = read_jsonl(tiny_run / "synthetic" / "arco-k5" / "traces" / "epoch_1.jsonl")
