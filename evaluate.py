@@ -1400,7 +1400,10 @@ def diagnose_mu(run: Run, args: "Args") -> dict:
     heldout = {"dataset": run.args["dataset"], "split": "dev", "questions": args.heldout_questions,
                "samples": args.heldout_samples, "seed": args.seed, "trajectories": len(trajs),
                "steps": sum(len(t.steps) for t in trajs), "useful_steps": sum(map(sum, labels)),
-               "reward_1": sum(r >= 0.5 for r in rewards), "variants": dict(Counter(m["variant"] for m in metas))}
+               "reward_1": sum(r >= 0.5 for r in rewards), "variants": dict(Counter(m["variant"] for m in metas)),
+               # A reference for "AUC Σs vs R": Σ_t s_t of a μ that gives every step the same small score is
+               # the trajectory's length times that score, so its AUC is this one (or 1 minus it).
+               "auc_length_vs_R": auc([len(t.steps) for t in trajs], [r >= 0.5 for r in rewards])}
     a = run.args
     stages = [("untrained", -1, None), ("warmup", 0, run.warmup_mu_dir())] + \
         [(f"epoch_{e}", e, p) for e, p in run.mu_dirs()]
@@ -1445,7 +1448,9 @@ def diagnostics_markdown(d: dict) -> str:
                   f"{h['trajectories']} trajectories ({h['questions']} dev questions × {h['samples']} samples, seed "
                   f"{h['seed']}; variants {h['variants']}), {h['steps']} steps of which {h['useful_steps']} useful; "
                   f"R = 1 for {h['reward_1']}. AUC of s_t for useful vs useless steps (0.5 = chance); the judge "
-                  f"passes a trajectory iff Σ_t s_t > threshold and is compared with R(τ).", ""]
+                  f"passes a trajectory iff Σ_t s_t > threshold and is compared with R(τ). Reference: the number "
+                  f"of steps alone has AUC {_fmt(h.get('auc_length_vs_R'))} for R, so a μ that scores every step "
+                  f"alike reaches that AUC (or 1 minus it) with Σ_t s_t.", ""]
         rows = []
         for r in d["credit"]["stages"]:
             rows.append({"μ": r["stage"], "AUC steps": _fmt(r["auc_steps"]), "AUC search": _fmt(r["auc_search"]),

@@ -309,6 +309,8 @@ def test_diagnose_credit_assignment_on_heldout_oracle_trajectories(diagnosed, ru
     assert h["steps"] == sum(len(t.steps) for t in trajs) and h["useful_steps"] == sum(map(sum, labels))
     assert h["reward_1"] == sum(t.reward for t in trajs) >= 3                 # every gold trajectory is right
     assert 0 < h["useful_steps"] < h["steps"]                                  # both classes present
+    assert h["auc_length_vs_R"] == ev.auc([len(t.steps) for t in trajs], [t.reward == 1 for t in trajs])
+    assert f"the number of steps alone has AUC {h['auc_length_vs_R']:.3f} for R" in (run / "diagnostics.md").read_text()
     stages = d["credit"]["stages"]
     assert [(s["stage"], s["x"]) for s in stages] == [("untrained", -1), ("warmup", 0), ("epoch_1", 1), ("epoch_2", 2)]
     assert stages[1]["model"] == str(runs / "warmup" / "mu_sft")
