@@ -554,5 +554,15 @@ def test_kill_and_resume_the_cli(api_env, retriever, tmp_path):
 def test_records_from_another_configuration_are_refused(retriever, tmp_path):
     examples = env.synthetic_examples(2, seed=11, split="train")
     warmup.collect(examples, warmup.OracleTeacher(), retriever, tmp_path, k=1, K=3, progress=False)
+
+    class OtherTeacher(warmup.OracleTeacher):
+        name = "other"
+    with pytest.raises(ValueError, match="teacher=oracle K=3, this run uses teacher=other K=3"):
+        warmup.collect(examples, OtherTeacher(), retriever, tmp_path, k=1, K=3, progress=False)
+    # another K is not refused: it is another collection, beside the first (warmup.collection_suffix)
+    warmup.collect(examples, warmup.OracleTeacher(), retriever, tmp_path, k=1, K=5, progress=False)
+    assert [r["K"] for r in warmup.read_jsonl(tmp_path / "records-k5.jsonl")] == [5, 5]
+    assert [r["K"] for r in warmup.read_jsonl(tmp_path / "records.jsonl")] == [3, 3]
+    (tmp_path / "records-k5.jsonl").write_text((tmp_path / "records.jsonl").read_text())   # mixed by hand
     with pytest.raises(ValueError, match="K=3, this run uses teacher=oracle K=5"):
         warmup.collect(examples, warmup.OracleTeacher(), retriever, tmp_path, k=1, K=5, progress=False)
