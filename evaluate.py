@@ -860,7 +860,7 @@ _Series = Sequence[tuple[float, float | None]]
 
 
 def plot_lines(series: dict[str, _Series], path: str | Path, title: str, ylabel: str, chance: float | None = None,
-                ylim: tuple[float, float] | None = None, size: tuple[float, float] = (6.4, 4.0), dpi: int = 100):
+               ylim: tuple[float, float] | None = None, size: tuple[float, float] = (6.4, 4.0), dpi: int = 100):
     """One line per named series of (epoch, value) points (sorted; None values skipped), a dashed
     `chance` line if given, saved as PNG. The report's three: dev EM per epoch of each run (§4.2
     selects the checkpoint by peak dev EM), mean s_t per position bucket (Eq. 3–4), credit AUC."""
