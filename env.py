@@ -572,10 +572,16 @@ class Step:
 
     def action_text(self) -> str:
         """a_t as history shows it: the canonical action, or the raw output of an invalid step."""
-        if self.valid:
-            return f"{self.action.capitalize()}[{self.argument}]"
-        raw = " ".join(self.output.split())
-        return raw[:120] + ("..." if len(raw) > 120 else "")
+        return action_text(self.valid, self.action, self.argument, self.output)
+
+
+def action_text(valid: bool, action: str | None, argument: str | None, output: str) -> str:
+    """Step.action_text from a step's fields (also a trace row's): `Search[query]` / `Finish[answer]`,
+    or an invalid step's raw output, whitespace folded and cut at 120 characters."""
+    if valid:
+        return f"{action.capitalize()}[{argument}]"
+    raw = " ".join(output.split())
+    return raw[:120] + ("..." if len(raw) > 120 else "")
 
 
 @dataclass

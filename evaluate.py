@@ -893,26 +893,13 @@ def dev_em_series(metrics: Iterable[dict]) -> list[tuple[int, float]]:
     return [(r["epoch"], r["em"]) for r in metrics if r.get("kind") == "eval"]
 
 
-def _buckets(steps: Sequence[dict]) -> list[str | None]:
-    """b(τ, t) as arco.step_buckets assigns it (Eq. 3–4), for rows that did not record it."""
-    out, rank = [], 0
-    for t, st in enumerate(steps):
-        if t == len(steps) - 1:
-            out.append("terminal")
-        elif st.get("valid") and st.get("action") == "search":
-            rank += 1
-            out.append(f"search_{rank}")
-        else:
-            out.append(None)
-    return out
-
-
 def bucket_mean_scores(rows: Iterable[dict]) -> dict[str, list[tuple[int, float]]]:
     """{bucket: [(epoch, mean s_t)]} over the scored valid steps of trace rows (Eq. 2–4)."""
+    from arco import step_buckets   # for rows that did not record their bucket
     sums: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         steps = row.get("steps", [])
-        for st, b in zip(steps, _buckets(steps)):
+        for st, b in zip(steps, step_buckets([x.get("action") for x in steps], [x.get("valid") for x in steps])):
             b = st.get("bucket") or b
             if b is not None and st.get("valid") and isinstance(st.get("s"), (int, float)):
                 sums[b][row.get("epoch", 0)].append(st["s"])
@@ -934,21 +921,14 @@ class RunError(ValueError):
 
 
 def _read_rows(path: Path) -> list[dict]:
-    """Rows of a JSONL file; a last line cut short by a kill is skipped."""
-    rows, lines = [], Path(path).read_text(encoding="utf-8").splitlines()
-    for i, line in enumerate(lines):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                if i < len(lines) - 1:
-                    raise RunError(f"{path}:{i + 1}: not valid JSON") from None
-    return rows
+    """Rows of a JSONL file, [] if there is none; a last line cut short by a kill is dropped."""
+    from warmup import read_jsonl   # warmup imports this module, so not at the top
+    return read_jsonl(path)
 
 
-def _write_json(path: Path, obj: Any) -> Path:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    return path
+def _write_json(path: Path, obj: Any) -> None:
+    from warmup import write_json   # atomic: a kill leaves the old file or the new one
+    write_json(path, obj)
 
 
 def question_type(t: str | None) -> str:
@@ -1009,12 +989,10 @@ class Run:
         return sorted(found)
 
     def metrics(self) -> list[dict]:
-        path = self.dir / "metrics.jsonl"
-        return _read_rows(path) if path.is_file() else []
+        return _read_rows(self.dir / "metrics.jsonl")
 
     def training_traces(self, epoch: int) -> list[dict]:
-        path = self.dir / "traces" / f"epoch_{epoch}.jsonl"
-        return _read_rows(path) if path.is_file() else []
+        return _read_rows(self.dir / "traces" / f"epoch_{epoch}.jsonl")
 
     def trace_epochs(self) -> list[int]:
         return sorted(int(p.stem.split("_")[1]) for p in (self.dir / "traces").glob("epoch_*.jsonl")
@@ -1102,12 +1080,8 @@ def evaluation(run: Run, split: str, data_dir: str | None, device: str, reevalua
     scores, trajs = warmup.evaluate_policy(pi, examples, _retriever(), a["max_new_tokens_pi"], a["obs_chars"],
                                            a.get("gen_batch") or 16, a.get("max_searches"))
     del pi
-    rows = []
-    for t in trajs:
-        row = t.to_dict()
-        for st in row["steps"]:
-            st["observation"] = st["observation"][:160]        # as arco.trace_rows keeps it
-        rows.append({**row, "checkpoint": run.checkpoint})
+    from arco import trace_rows     # the rows arco.py writes for its own evaluations (batch -1)
+    rows = [{**row, "checkpoint": run.checkpoint} for row in trace_rows(trajs, run.epoch, -1)]
     result = {**{k: scores[k] for k in _METRICS if k in scores}, "by_type": trajectory_scores(rows)["by_type"],
               "checkpoint": run.checkpoint, "split": split}
     stored.parent.mkdir(parents=True, exist_ok=True)
@@ -1196,10 +1170,8 @@ class _CachedEncoder:
 def step_action_text(st: dict) -> str:
     """a_t of a trace row's step as env.Step.action_text writes it (the canonical action, or the
     raw output of an invalid step): the candidates of a Bind item."""
-    if st.get("valid"):
-        return f"{st['action'].capitalize()}[{st['argument']}]"
-    raw = " ".join(str(st.get("output", "")).split())
-    return raw[:120] + ("..." if len(raw) > 120 else "")
+    from env import action_text
+    return action_text(bool(st.get("valid")), st.get("action"), st.get("argument"), str(st.get("output", "")))
 
 
 def _prefix_text(steps: Sequence[dict]) -> str:
