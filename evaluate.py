@@ -1509,8 +1509,8 @@ def diagnose(runs: Sequence[Run], args: "Args") -> dict[str, Path]:
     series = {r.name: dev_em_series(r.metrics()) for r in runs}
     plot_lines(series, out / "dev_em.png", "Dev EM per epoch", "dev EM (%)")
     files["dev_em.png"] = "dev EM per epoch, every --run"
-    all_rows = [row for e in run.trace_epochs() for row in run.training_traces(e)]
-    buckets = bucket_mean_scores(all_rows)
+    traces = {e: run.training_traces(e) for e in run.trace_epochs()}     # read once: the buckets and the page
+    buckets = bucket_mean_scores([row for rows in traces.values() for row in rows])
     plot_lines(buckets, out / "bucket_scores.png", "Mean step score per bucket", "mean s_t", ylim=(-1.05, 1.05))
     files["bucket_scores.png"] = f"mean s_t per position bucket and epoch, {run.name}'s training traces"
     stages = d["credit"]["stages"]
@@ -1521,9 +1521,9 @@ def diagnose(runs: Sequence[Run], args: "Args") -> dict[str, Path]:
     auc_series = {k: v for k, v in auc_series.items() if any(y is not None for _, y in v)}  # no empty legend
     plot_lines(auc_series, out / "credit_auc.png", "Credit-assignment AUC", "AUC", chance=0.5, ylim=(0.0, 1.0))
     files["credit_auc.png"] = "credit-assignment AUC over training (x = -1 untrained μ, 0 warmup μ, K epoch K)"
-    epochs = run.trace_epochs()
-    shown = run.training_traces(epochs[-1])[:args.html_trajectories] if epochs else []
-    title = f"ARCO run {run.name}: training trajectories of epoch {epochs[-1] if epochs else '—'}"
+    last = max(traces, default=None)
+    shown = traces[last][:args.html_trajectories] if traces else []
+    title = f"ARCO run {run.name}: training trajectories of epoch {'—' if last is None else last}"
     (out / "trajectories.html").write_text(trajectories_html(shown, title), encoding="utf-8")
     files["trajectories.html"] = f"{len(shown)} training trajectories of the last epoch with rubrics and scores"
     d["figures"] = {"dev_em.png": series, "bucket_scores.png": buckets, "credit_auc.png": auc_series}
