@@ -3,30 +3,37 @@
 Paper: §3.2 (Eq. 3–5) and Appendix A (Algorithm 1).
 
     python arco.py --dataset hotpotqa                  # CPU preset: warmup (if needed), RL, evaluation, report
-    python arco.py --dataset hotpotqa --preset paper   # Qwen3-4B-Instruct-2507 and the release hyperparameters
+    python arco.py --dataset hotpotqa --preset paper   # Qwen3-4B-Instruct-2507 and the authors' release recipe
+    python arco.py --dataset hotpotqa --preset paper --dry-run   # its schedule and loss scales, no model
     python arco.py --dataset synthetic --reward outcome        # the binary-EM REINFORCE baseline (no μ)
     python arco.py --dataset hotpotqa --rubric none            # Table 2's "w/o Rubric" (also: static, prefix-free)
 
-One iteration (Alg. 1, lines 5–38) over a batch B of questions × G samples each:
+The schedule (Alg. 1, lines 3–5; `epoch_plan`): `--sparse-epochs` epochs train π on R(τ) alone, the
+rest on μ's dense rewards. An update takes `--batch-size` trajectories: batch_size / G questions × G
+samples in a sparse epoch, batch_size questions × 1 in a dense one (the release's composition).
+
+One iteration (Alg. 1, lines 5–38) over a batch B:
 
     rollout (π samples, env retrieves)       lines 6–14    env.rollout + rubric_model.generate
     rubrics r_t and scores d_t, s_t (μ)      lines 15–19   annotate()
     R(τ) = EM(answer, gold)                  line 23       env.rollout
-    advantages: sparse R − mean_B R, or      lines 26–32   outcome_advantages / reward_to_go,
+    advantages: sparse R − mean R, or        lines 26–32   outcome_advantages / reward_to_go,
       dense α(G_t − Ḡ_{B,b}) by bucket                      step_buckets, bucketed_advantages
     π update: Eq. 3 with KL(π‖π_ref)         lines 33–35   policy_update() → policy_loss
     μ update: Eq. 5                          lines 36–38   rubric_update() → rubric_loss
 
-The equations are small named functions at the top, tested against hand-worked numbers that
-also live in `tests/vectors.json` (so a port to another framework can check itself):
+The equations are small named functions, tested against hand-worked numbers that also live in
+`tests/vectors.json` (so a port to another framework can check itself):
 
     reward_to_go          Eq. 3      G_{τ,t} = Σ_{k≥t} s_{τ,k}
     step_buckets          Eq. 3–4    b(τ,t) ∈ {search_1, …, search_n, terminal}
     bucketed_advantages   Eq. 4      A_{τ,t} = α (G_{τ,t} − Ḡ_{B,b(τ,t)})
-    outcome_advantages    Alg. 1, l. 31   A_τ = R(τ) − mean_B R
+    outcome_advantages    Alg. 1, l. 31   A_τ = R(τ) − mean R over the batch or the question's group
+    reduce_tokens         Eq. 3, 5   a step's per-token KL: sum (paper) or mean (release)
     policy_loss           Eq. 3      −(1/|B|) Σ_τ Σ_{t∈V_τ} A_{τ,t} log p_π(a_t|h_t) + λ_π L_KL
-    decomposition_loss    Eq. 5      (1/|B|) Σ_τ (Σ_t s_t − R(τ))²
-    rubric_loss           Eq. 5      decomposition_loss + β E_t[Σ_i KL(p_θ ‖ p_ref)_i]
+    class_weights         (release)  w_τ of the decomposition term
+    decomposition_loss    Eq. 5      (1/|B|) Σ_τ w_τ (Σ_t s_t − R(τ))²
+    rubric_loss           Eq. 5      decomposition_loss + β Σ_t KL_t / (steps or |B|)
 """
 from __future__ import annotations
 
@@ -48,9 +55,10 @@ from warmup import read_jsonl   # tolerates a last line cut short by a kill (wha
 
 @dataclass
 class Args:
-    dataset: str = field(default="hotpotqa", metadata={"help": "hotpotqa, 2wiki, musique or synthetic"})
+    dataset: str = field(default="hotpotqa", metadata={"help": "hotpotqa, 2wiki, musique or synthetic",
+                                                        "choices": ["hotpotqa", "2wiki", "musique", "synthetic"]})
     preset: str = field(default="cpu", metadata={"help": "cpu (embedded SmolLM2, minutes on a laptop) or paper "
-                                                          "(Qwen3-4B, release hyperparameters, one GPU)",
+                                                          "(Qwen3-4B and the authors' release recipe, one GPU)",
                                                   "choices": ["cpu", "paper"]})
     name: str = field(default="", metadata={"help": "run name under runs/<dataset>/ (default: from --reward/--rubric/--k)"})
     out_dir: str = field(default="runs", metadata={"help": "root folder of all runs"})
@@ -58,6 +66,8 @@ class Args:
     warmup_dir: str = field(default="", metadata={"help": "the warmup folder (pi_sft/, mu_sft*/; default "
                                                            "runs/<dataset>/warmup); what is missing is trained first"})
     resume: bool = field(default=False, metadata={"help": "continue a killed run from its last finished epoch"})
+    dry_run: bool = field(default=False, metadata={"help": "print the training schedule and the loss scales, then exit "
+                                                            "(no data, no model)"})
     seed: int = field(default=0, metadata={"help": "seed of data sampling, shuffling and sampling"})
     reward: str = field(default="arco", metadata={"help": "arco (μ's dense rewards after the sparse epochs) or "
                                                            "outcome (binary-EM REINFORCE throughout, no μ: Search-R1-style)",
@@ -67,65 +77,108 @@ class Args:
                                                        "choices": ["adaptive", "prefix-free", "static", "none"]})
     k: int = field(default=3, metadata={"help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ..."})
-    # The fields below default to the preset's value (None = take it from the preset).
+    # The fields below default to the preset's value (None = take it from the preset). The README's table
+    # "paper | release | this implementation" says where each value comes from.
     model: str | None = field(default=None, metadata={"help": "π's backbone: 'embedded' or an HF id/folder"})
     mu_model: str | None = field(default=None, metadata={"help": "μ's backbone (RQ5); default: the same as --model"})
+    retriever: str | None = field(default=None, metadata={"help": "encoder of the top-1 retriever: '' = the embedded "
+                                                                   "all-MiniLM-L6-v2, or an HF id/folder (paper: SimCSE)"})
+    retriever_pooling: str | None = field(default=None, metadata={"help": "mean (MiniLM) or cls (SimCSE)",
+                                                                  "choices": ["mean", "cls"]})
     train_size: int | None = field(default=None, metadata={"help": "training questions (paper 2,000)"})
     eval_size: int | None = field(default=None, metadata={"help": "dev questions evaluated (paper 500)"})
     epochs: int | None = field(default=None, metadata={"help": "RL epochs E (release 8)"})
-    dense_start_epoch: int | None = field(default=None, metadata={"help": "η: dense rewards from this epoch on, "
-                                                                             "1-based (release 3; Alg. 1 line 4)"})
-    batch_size: int | None = field(default=None, metadata={"help": "questions per batch |B|/G (release 64)"})
-    group_size: int | None = field(default=None, metadata={"help": "G: sampled trajectories per question (release 4)"})
+    sparse_epochs: int | None = field(default=None, metadata={"help": "epochs trained on R(τ) alone before the dense "
+                                                                       "ones (release 3: dense_start_epoch 3, 0-based; "
+                                                                       "Alg. 1's η = this + 1)"})
+    batch_size: int | None = field(default=None, metadata={"help": "trajectories per update (release 64): sparse "
+                                                                    "epochs take batch_size / G questions × G samples, "
+                                                                    "dense epochs batch_size questions × 1"})
+    group_size: int | None = field(default=None, metadata={"help": "G: samples per question in sparse epochs (release 4; "
+                                                                    "Alg. 1's text: 1)"})
+    sparse_baseline: str | None = field(default=None, metadata={"help": "baseline of R(τ) in sparse epochs: group (mean "
+                                                                         "of the question's G samples, release) or batch "
+                                                                         "(mean over the batch, Alg. 1 line 31)",
+                                                                 "choices": ["group", "batch"]})
+    bucket_fallback: bool | None = field(default=None, metadata={"help": "a bucket with one step takes the batch's mean "
+                                                                          "G as its baseline (release) instead of its own "
+                                                                          "G (Eq. 4: advantage 0)"})
+    class_balance: bool | None = field(default=None, metadata={"help": "weight Eq. 5's decomposition term so that "
+                                                                        "successes and failures weigh alike (release; "
+                                                                        "not in the paper)"})
+    token_reduction: str | None = field(default=None, metadata={"help": "mean (release) or sum (the paper's Σ_i) over "
+                                                                         "the tokens of a step in the KL terms of Eq. 3 "
+                                                                         "and Eq. 5 and in Eq. 7 (see README)",
+                                                                 "choices": ["mean", "sum"]})
     rollout_temperature: float | None = field(default=None, metadata={"help": "π's sampling temperature (release 0.7)"})
-    rubric_temperature: float | None = field(default=None, metadata={"help": "μ's sampling temperature for r_t"})
+    rubric_temperature: float | None = field(default=None, metadata={"help": "μ's temperature for r_t: 0 = greedy "
+                                                                             "(release); the paper writes r_t ~ p_θ"})
     pi_lr_sparse: float | None = field(default=None, metadata={"help": "π LoRA learning rate, sparse epochs (1e-5)"})
     pi_lr_dense: float | None = field(default=None, metadata={"help": "π LoRA learning rate, dense epochs (3e-6)"})
     mu_lr: float | None = field(default=None, metadata={"help": "μ LoRA learning rate (1e-5)"})
     head_lr: float | None = field(default=None, metadata={"help": "μ score-head learning rate (5e-4)"})
-    kl_pi: float | None = field(default=None, metadata={"help": "λ_π, KL(π‖π_ref) weight (Eq. 3; 0.05)"})
+    kl_pi_sparse: float | None = field(default=None, metadata={"help": "λ_π in sparse epochs (Eq. 3; release 0, Alg. 1 "
+                                                                        "line 35 has the KL in every epoch)"})
+    kl_pi_dense: float | None = field(default=None, metadata={"help": "λ_π in dense epochs (Eq. 3; release 0.05)"})
     kl_mu: float | None = field(default=None, metadata={"help": "β, rubric-token KL(μ‖μ_ref) weight (Eq. 5; 0.05)"})
     alpha: float | None = field(default=None, metadata={"help": "α, dense reward scale (Eq. 3; 0.5)"})
+    weight_decay: float | None = field(default=None, metadata={"help": "AdamW weight decay of every optimizer, RL and "
+                                                                        "SFT (release 0.01)"})
     max_new_tokens_pi: int | None = field(default=None, metadata={"help": "π's max new tokens per action (64)"})
     max_new_tokens_mu: int | None = field(default=None, metadata={"help": "μ's max new tokens per rubric (128)"})
     max_searches: int | None = field(default=None, metadata={"help": "search budget (default: 3, MuSiQue 6)"})
-    obs_chars: int | None = field(default=None, metadata={"help": "observation cut, characters"})
+    obs_chars: int | None = field(default=None, metadata={"help": "observation cut, characters (0 = the whole paragraph)"})
     micro_batch: int | None = field(default=None, metadata={"help": "sequences per training forward pass (memory; "
                                                                       "gradients are accumulated)"})
     gen_batch: int | None = field(default=None, metadata={"help": "prompts per generation batch (π and μ)"})
     mu_examples: int | None = field(default=None, metadata={"help": "worked examples in μ's rubric prompt, 0-2 "
                                                                       "(~200 tokens per step each)"})
+    warmup_size: int | None = field(default=None, metadata={"help": "warmup questions, the first of the training sample "
+                                                                     "(release 1,000)"})
+    warmup_samples: int | None = field(default=None, metadata={"help": "warmup: teacher trajectories per question "
+                                                                        "(release 3)"})
     warmup_probe: int | None = field(default=None, metadata={"help": "μ SFT items on which the warmup shows Eq. 7's "
                                                                        "terms before/after"})
-    sft_epochs_pi: int | None = field(default=None, metadata={"help": "warmup π SFT epochs (release 6)"})
-    sft_epochs_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT epochs (release 10)"})
-    warmup_samples: int | None = field(default=None, metadata={"help": "warmup: oracle trajectories per question"})
+    sft_epochs_pi: int | None = field(default=None, metadata={"help": "warmup π SFT epochs (release 6; the best dev-EM "
+                                                                      "epoch is kept)"})
+    sft_epochs_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT epochs (release 10; the last is kept)"})
     sft_lr_pi: float | None = field(default=None, metadata={"help": "warmup π SFT learning rate (release 1e-5)"})
     sft_lr_mu: float | None = field(default=None, metadata={"help": "warmup μ SFT learning rate (release 5e-5)"})
     sft_head_lr: float | None = field(default=None, metadata={"help": "warmup μ score-head learning rate (release 1e-3)"})
+    sft_batch_pi: int | None = field(default=None, metadata={"help": "warmup π SFT examples per optimizer step (release 64)"})
+    sft_batch_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT steps per optimizer step (release 32)"})
 
 
-# Presets: plain dicts. `paper` holds the authors' release config (DESIGN.md, "Facts"); `cpu` is
-# sized so that warmup + RL + evaluation of HotpotQA fit in minutes on a 2-core CPU.
+# Presets: plain dicts. `paper` is the authors' release recipe for HotpotQA/Qwen (configs/hotpotqa/*.yaml and
+# src/training/rl_trainer.py of the public repository zihangtian/ARCO; the README's difference table lists every
+# value that is not the paper's text). `cpu` takes the same semantics at a laptop's size.
 PRESETS = {
-    "paper": dict(model="Qwen/Qwen3-4B-Instruct-2507", train_size=2000, eval_size=500, epochs=8,
-                  dense_start_epoch=3, batch_size=64, group_size=4, rollout_temperature=0.7,
-                  rubric_temperature=0.7, pi_lr_sparse=1e-5, pi_lr_dense=3e-6, mu_lr=1e-5, head_lr=5e-4,
-                  kl_pi=0.05, kl_mu=0.05, alpha=0.5, max_new_tokens_pi=64, max_new_tokens_mu=128,
-                  obs_chars=600, micro_batch=16, gen_batch=64, mu_examples=0, warmup_probe=32,
-                  sft_epochs_pi=6, sft_epochs_mu=10, warmup_samples=4, sft_lr_pi=1e-5, sft_lr_mu=5e-5, sft_head_lr=1e-3),
-    "cpu": dict(model="embedded", train_size=8, eval_size=20, epochs=2, dense_start_epoch=2, batch_size=4,
-                group_size=2, rollout_temperature=0.7, rubric_temperature=0.7, pi_lr_sparse=1e-4,
-                pi_lr_dense=5e-5, mu_lr=1e-4, head_lr=1e-3, kl_pi=0.05, kl_mu=0.05, alpha=0.5,
-                max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300, micro_batch=2, gen_batch=16,
-                mu_examples=0, warmup_probe=8, sft_epochs_pi=3, sft_epochs_mu=2, warmup_samples=2,
-                sft_lr_pi=5e-4, sft_lr_mu=3e-4, sft_head_lr=1e-3),
+    "paper": dict(model="Qwen/Qwen3-4B-Instruct-2507", retriever="princeton-nlp/unsup-simcse-roberta-base",
+                  retriever_pooling="cls", train_size=2000, eval_size=500, epochs=8, sparse_epochs=3, batch_size=64,
+                  group_size=4, sparse_baseline="group", bucket_fallback=True, class_balance=True,
+                  token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0, pi_lr_sparse=1e-5,
+                  pi_lr_dense=3e-6, mu_lr=1e-5, head_lr=5e-4, kl_pi_sparse=0.0, kl_pi_dense=0.05, kl_mu=0.05,
+                  alpha=0.5, weight_decay=0.01, max_new_tokens_pi=64, max_new_tokens_mu=128, obs_chars=0,
+                  micro_batch=16, gen_batch=64, mu_examples=0, warmup_size=1000, warmup_samples=3, warmup_probe=32,
+                  sft_epochs_pi=6, sft_epochs_mu=10, sft_lr_pi=1e-5, sft_lr_mu=5e-5, sft_head_lr=1e-3,
+                  sft_batch_pi=64, sft_batch_mu=32),
+    "cpu": dict(model="embedded", retriever="", retriever_pooling="mean", train_size=8, eval_size=20, epochs=2,
+                sparse_epochs=1, batch_size=8, group_size=2, sparse_baseline="group", bucket_fallback=True,
+                class_balance=True, token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0,
+                pi_lr_sparse=1e-4, pi_lr_dense=5e-5, mu_lr=1e-4, head_lr=1e-3, kl_pi_sparse=0.0, kl_pi_dense=0.05,
+                kl_mu=0.05, alpha=0.5, weight_decay=0.01, max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300,
+                micro_batch=2, gen_batch=16, mu_examples=0, warmup_size=8, warmup_samples=2, warmup_probe=8,
+                sft_epochs_pi=3, sft_epochs_mu=2, sft_lr_pi=5e-4, sft_lr_mu=3e-4, sft_head_lr=1e-3,
+                sft_batch_pi=8, sft_batch_mu=8),
 }
 
 
 def resolve_args(args: Args) -> Args:
-    """Fill every preset-driven field the command line left unset."""
-    for key, value in PRESETS[args.preset].items():
+    """Fill every preset-driven field the command line left unset, then check the combination."""
+    preset = dict(PRESETS[args.preset])
+    if args.warmup_size is None and args.train_size is not None:     # a smaller --train-size shrinks the warmup too
+        preset["warmup_size"] = min(preset["warmup_size"], args.train_size)
+    for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.mu_model is None:
@@ -133,7 +186,92 @@ def resolve_args(args: Args) -> Args:
     if not args.name:
         args.name = "outcome" if args.reward == "outcome" else \
             "arco" + ("" if args.rubric == "adaptive" else f"-{args.rubric}") + ("" if args.k == 3 else f"-k{args.k}")
+    problems = []
+    if not 0 <= args.sparse_epochs <= args.epochs:
+        problems.append(f"--sparse-epochs {args.sparse_epochs} must be between 0 and --epochs {args.epochs}")
+    if args.group_size < 1 or args.batch_size % args.group_size:
+        problems.append(f"--batch-size {args.batch_size} (trajectories) must be a multiple of --group-size "
+                        f"{args.group_size}")
+    if args.sparse_baseline == "group" and args.group_size < 2 and (args.sparse_epochs or args.reward == "outcome"):
+        problems.append("--sparse-baseline group needs --group-size 2 or more (one sample is its own baseline: A = 0)")
+    if args.warmup_size > args.train_size:
+        problems.append(f"--warmup-size {args.warmup_size} exceeds --train-size {args.train_size}")
+    if problems:
+        sys.exit("error: " + "; ".join(problems))
     return args
+
+
+# ----------------------------------------------------------------------------------------
+# The schedule (Alg. 1, lines 3–5)
+# ----------------------------------------------------------------------------------------
+
+def is_dense(epoch: int, args: Args) -> bool:
+    """Alg. 1, line 4: use_dense ← (epoch ≥ η), epochs counted from 1, η = sparse_epochs + 1. The
+    outcome baseline (no μ) is sparse throughout."""
+    return args.reward == "arco" and epoch > args.sparse_epochs
+
+
+def epoch_plan(args: Args, n_train: int) -> list[dict]:
+    """Per epoch: its phase and batch composition, as the release makes them. `batch_size` counts
+    trajectories: a sparse epoch takes batch_size / G questions × G samples each (GRPO-style groups),
+    a dense epoch batch_size questions × 1 sample. Every epoch goes once through all n_train
+    questions, the last batch smaller when they do not divide (no drop_last). `selectable` marks the
+    epochs after the transition, among which the paper picks its checkpoint (§4.1)."""
+    plan = []
+    for epoch in range(1, args.epochs + 1):
+        dense = is_dense(epoch, args)
+        samples = 1 if dense else args.group_size
+        questions = args.batch_size // samples
+        plan.append({"epoch": epoch, "dense": dense, "questions_per_batch": questions, "samples": samples,
+                     "trajectories_per_update": questions * samples, "updates": math.ceil(n_train / questions),
+                     "pi_lr": args.pi_lr_dense if dense else args.pi_lr_sparse,
+                     "kl_pi": args.kl_pi_dense if dense else args.kl_pi_sparse,
+                     "selectable": epoch > args.sparse_epochs})
+    return plan
+
+
+def epoch_batches(train: Sequence, epoch: int, args: Args) -> list[list]:
+    """The questions of each batch of an epoch (Alg. 1, line 5): a seeded shuffle of all training
+    questions, cut into batches of epoch_plan's size (the last one may be smaller)."""
+    order = list(range(len(train)))
+    random.Random(f"{args.seed}-{epoch}").shuffle(order)
+    return chunks([train[i] for i in order], epoch_plan(args, len(train))[epoch - 1]["questions_per_batch"])
+
+
+def describe_plan(args: Args, n_train: int) -> str:
+    """What --dry-run prints: the schedule, the updates per epoch and the loss scales."""
+    plan = epoch_plan(args, n_train)
+    lines = [f"preset {args.preset}, dataset {args.dataset}, reward {args.reward}: {n_train} training questions "
+             f"(--train-size; fewer if the data holds fewer), {args.eval_size} dev questions, π = {args.model}, "
+             f"μ = {args.mu_model if args.reward == 'arco' else '(none)'}"]
+    for e in plan:
+        kind = "dense " if e["dense"] else "sparse"
+        baseline = (f"A = α (G_t − Ḡ_bucket), α {args.alpha}" + (", one-step buckets take the batch mean"
+                                                                     if args.bucket_fallback else "")) \
+            if e["dense"] else f"A = R − mean of the {args.sparse_baseline}"
+        lines.append(f"  epoch {e['epoch']}: {kind} {e['questions_per_batch']} questions × {e['samples']} = "
+                     f"{e['trajectories_per_update']} trajectories per update, {e['updates']} updates; π lr "
+                     f"{e['pi_lr']:g}, λ_π {e['kl_pi']:g}; {baseline}"
+                     + ("  [selectable]" if e["selectable"] else ""))
+    total = sum(e["updates"] * e["trajectories_per_update"] for e in plan)
+    lines.append(f"  {sum(e['updates'] for e in plan)} updates, {total} trajectories in all; the checkpoint is the "
+                 f"best dev EM among the [selectable] epochs (after the transition)")
+    per_step = "mean" if args.token_reduction == "mean" else "sum"
+    lines += [
+        "loss scales (token reduction: " + args.token_reduction + ")",
+        f"  Eq. 3: −(1/|B|) Σ_τ Σ_t A_t log π(a_t|h_t) + λ_π (1/|B|) Σ_τ Σ_t {per_step}_i KL(π‖π_ref)_i",
+        f"  Eq. 5: (1/|B|) Σ_τ w_τ (Σ_t s_t − R)²  [w: {'class-balanced' if args.class_balance else '1'}]"
+        f" + β {args.kl_mu:g} · " + ("(1/|B|) Σ_τ Σ_t mean_i KL(μ‖μ_ref)_i" if args.token_reduction == "mean"
+                                   else "mean_t Σ_i KL(μ‖μ_ref)_i"),
+        "  Eq. 7: " + ("mean over tokens of −log p(r̃) + 10 · mean over steps × K of (d − ŝ)²"
+                       if args.token_reduction == "mean" else "mean over steps of [Σ_i −log p(r̃_i) + 10 ‖d − ŝ‖²]"),
+        f"  optimizer: AdamW, weight decay {args.weight_decay:g}; μ lr {args.mu_lr:g}, score head {args.head_lr:g}; "
+        f"rubrics {'greedy' if not args.rubric_temperature else f'sampled at T {args.rubric_temperature:g}'}",
+        f"warmup: {args.warmup_size} questions × {args.warmup_samples} teacher trajectories; π SFT "
+        f"{args.sft_epochs_pi} epochs (lr {args.sft_lr_pi:g}, batch {args.sft_batch_pi}, best dev EM kept), μ SFT "
+        f"{args.sft_epochs_mu} epochs (lr {args.sft_lr_mu:g}, head {args.sft_head_lr:g}, batch {args.sft_batch_mu}, "
+        f"last kept)"]
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------
@@ -176,11 +314,14 @@ def step_buckets(actions: Sequence[str], valid: Sequence[bool]) -> list[str | No
 
 
 def bucketed_advantages(G: Sequence[Sequence[float]], buckets: Sequence[Sequence[str | None]],
-                        valid: Sequence[Sequence[bool]], alpha: float) -> list[list[float]]:
+                        valid: Sequence[Sequence[bool]], alpha: float,
+                        singleton_fallback: bool = False) -> list[list[float]]:
     """A_{τ,t} = α (G_{τ,t} − Ḡ_{B,b(τ,t)}) over a batch of trajectories (Eq. 4; Alg. 1, line 29).
 
     Ḡ_{B,b} is the mean of G over I_b = the valid steps of the batch in bucket b. Steps outside
-    V_τ get advantage 0 (they are left out of the policy loss).
+    V_τ get advantage 0 (they are left out of the policy loss). With `singleton_fallback` (the
+    release's dense_bucket_fallback_to_global), a bucket holding one step takes the mean G of all
+    the batch's valid steps as its baseline; Eq. 4 alone gives such a step advantage 0.
     """
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -189,57 +330,91 @@ def bucketed_advantages(G: Sequence[Sequence[float]], buckets: Sequence[Sequence
             if ok:
                 sums[b] = sums.get(b, 0.0) + g
                 counts[b] = counts.get(b, 0) + 1
-    return [[alpha * (g - sums[b] / counts[b]) if ok else 0.0 for g, b, ok in zip(g_tau, b_tau, v_tau)]
+    batch_mean = sum(sums.values()) / max(1, sum(counts.values()))
+
+    def baseline(b: str) -> float:
+        return batch_mean if singleton_fallback and counts[b] == 1 else sums[b] / counts[b]
+    return [[alpha * (g - baseline(b)) if ok else 0.0 for g, b, ok in zip(g_tau, b_tau, v_tau)]
             for g_tau, b_tau, v_tau in zip(G, buckets, valid)]
 
 
-def outcome_advantages(R: Sequence[float]) -> list[float]:
-    """A_τ = R(τ) − mean_B R, shared by every valid step of τ (sparse epochs; Alg. 1, line 31)."""
-    mean = sum(R) / len(R)
-    return [float(r) - mean for r in R]
+def outcome_advantages(R: Sequence[float], groups: Sequence | None = None) -> list[float]:
+    """A_τ = R(τ) − the mean R of τ's group, shared by every valid step of τ (sparse epochs).
+
+    `groups` names each trajectory's question: the baseline is then the mean of that question's G
+    samples (the release, GRPO-style, without a division by the standard deviation). Without it the
+    baseline is the mean over the whole batch, R(τ) − mean_B R, as Alg. 1, line 31 writes it.
+    """
+    keys = list(groups) if groups is not None else [None] * len(R)
+    total: dict = {}
+    for key, r in zip(keys, R):
+        n, acc = total.get(key, (0, 0.0))
+        total[key] = (n + 1, acc + float(r))
+    return [float(r) - total[key][1] / total[key][0] for key, r in zip(keys, R)]
+
+
+def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """One number per step from a per-token quantity [B, L] (zero at padding): the sum over the
+    step's tokens (the paper's Σ_i in Eq. 5) or their mean (the release). → [B]."""
+    total = (per_token * mask).sum(-1)
+    if how == "sum":
+        return total
+    return total / mask.sum(-1).clamp_min(1)
 
 
 def policy_loss(logp: torch.Tensor, advantages: torch.Tensor, n_trajectories: int,
-                kl_tokens: torch.Tensor | None = None, kl_coef: float = 0.0,
-                n_kl_tokens: int | None = None) -> torch.Tensor:
+                kl_per_step: torch.Tensor | None = None, kl_coef: float = 0.0) -> torch.Tensor:
     """Eq. 3: −(1/|B|) Σ_τ Σ_{t∈V_τ} A_{τ,t} log p_π(a_t|h_t) + λ_π L_KL^π.
 
-    `logp` and `advantages` hold one entry per valid step (log p_π(a_t|h_t) is the sum of the
-    action's token log-probs; α is already inside the advantages, Alg. 1 line 29). L_KL^π is the
-    mean, over all action tokens of the batch, of the per-token KL(π ‖ π_ref) — our choice of
-    reduction, the paper says "token-level KL" without one. To accumulate gradients over
-    micro-batches, pass the whole batch's |B| and token count (`n_kl_tokens`): the micro-batch
-    losses then add up to the batch loss.
+    `logp`, `advantages` and `kl_per_step` hold one entry per valid step: log p_π(a_t|h_t) is the sum
+    of the action's token log-probs; α is already inside the advantages (Alg. 1, line 29); KL_t is the
+    step's per-token KL(π ‖ π_ref) reduced over its tokens (reduce_tokens). L_KL^π = (1/|B|) Σ_τ Σ_t KL_t,
+    the release's reduction (the paper says only "a token-level KL"). Pass the whole batch's |B| when
+    accumulating over micro-batches: their losses then add up to the batch's.
     """
     loss = -(advantages.detach() * logp).sum() / n_trajectories
-    if kl_tokens is not None and kl_tokens.numel() and kl_coef:
-        loss = loss + kl_coef * kl_tokens.sum() / (n_kl_tokens or kl_tokens.numel())
+    if kl_per_step is not None and kl_per_step.numel() and kl_coef:
+        loss = loss + kl_coef * kl_per_step.sum() / n_trajectories
     return loss
 
 
+def class_weights(R: Sequence[float]) -> list[float]:
+    """The release's weights of Eq. 5's decomposition term (not in the paper): successes (R > 0.5)
+    weigh N / (2 n_success) each and failures N / (2 n_failure), so both classes weigh N / 2 in all
+    (a count of 0 is taken as 1)."""
+    n = len(R)
+    pos = sum(float(r) > 0.5 for r in R)
+    return [n / (2 * max(pos, 1)) if float(r) > 0.5 else n / (2 * max(n - pos, 1)) for r in R]
+
+
 def decomposition_loss(s: torch.Tensor, trajectory: torch.Tensor, R: torch.Tensor,
-                       n_trajectories: int | None = None) -> torch.Tensor:
-    """Eq. 5, first term: (1/|B|) Σ_τ (Σ_{t=1}^{T} s_t − R(τ))², over all steps of each trajectory.
+                       n_trajectories: int | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Eq. 5, first term: (1/|B|) Σ_τ w_τ (Σ_{t=1}^{T} s_t − R(τ))², over all steps of each trajectory.
 
     `s` holds the step scores of every step, `trajectory` the index (into `R`) of the trajectory
-    each step belongs to, `R` one outcome per trajectory. `n_trajectories` is |B| when `R` is a
-    micro-batch of whole trajectories from a larger batch.
+    each step belongs to, `R` one outcome per trajectory, `weights` w_τ (1 in the paper; see
+    class_weights). `n_trajectories` is |B| when `R` is a micro-batch of whole trajectories.
     """
     sums = torch.zeros(len(R), dtype=s.dtype, device=s.device).index_add(0, trajectory, s)
-    return ((sums - R.to(s.dtype)) ** 2).sum() / (n_trajectories or len(R))
+    err = (sums - R.to(s.dtype)) ** 2
+    if weights is not None:
+        err = err * weights.to(s.dtype)
+    return err.sum() / (n_trajectories or len(R))
 
 
 def rubric_loss(s: torch.Tensor, trajectory: torch.Tensor, R: torch.Tensor,
-                kl_per_step: torch.Tensor | None = None, beta: float = 0.0,
-                n_trajectories: int | None = None, n_steps: int | None = None) -> torch.Tensor:
-    """Eq. 5: decomposition_loss + β E_{(h_t,a_t)}[Σ_{i=1}^{|r_t|} KL(p_θ ‖ p_θref)_i].
+                kl_per_step: torch.Tensor | None = None, beta: float = 0.0, kl_divisor: int | None = None,
+                n_trajectories: int | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Eq. 5: decomposition_loss + β · Σ_t KL_t / kl_divisor.
 
-    `kl_per_step` holds, for each step, the per-token KL summed over its rubric's tokens; the
-    expectation over (h_t, a_t) is their mean (over `n_steps` steps when accumulating).
+    KL_t is step t's per-token KL(p_θ ‖ p_θref) over its rubric's tokens, summed (the paper's Σ_i)
+    or averaged (the release): reduce_tokens. The paper's E_{(h_t,a_t)} is the mean over the batch's
+    steps (kl_divisor = the number of steps); the release sums over a trajectory's steps and divides
+    by |B| (kl_divisor = |B|). When accumulating over micro-batches pass the whole batch's divisors.
     """
-    loss = decomposition_loss(s, trajectory, R, n_trajectories)
+    loss = decomposition_loss(s, trajectory, R, n_trajectories, weights)
     if kl_per_step is not None and kl_per_step.numel() and beta:
-        loss = loss + beta * kl_per_step.sum() / (n_steps or kl_per_step.numel())
+        loss = loss + beta * kl_per_step.sum() / (kl_divisor or kl_per_step.numel())
     return loss
 
 
@@ -274,19 +449,20 @@ def annotate(mu, trajs, args: Args) -> tuple[list, list, torch.Tensor, torch.Ten
     return contexts, rubrics, scores.d.float().cpu(), scores.s.float().cpu()
 
 
-def advantages(trajs, s: torch.Tensor | None, dense: bool, alpha: float) -> tuple[list[list[float]], dict]:
+def advantages(trajs, s: torch.Tensor | None, dense: bool, args: Args) -> tuple[list[list[float]], dict]:
     """Alg. 1, lines 26–32: per-step advantages; 0 on invalid steps (outside V_τ)."""
     valid = [[st.valid for st in t.steps] for t in trajs]
     info: dict = {}
-    if not dense:
-        A_tau = outcome_advantages([t.reward for t in trajs])                      # line 31
+    if not dense:                                                                   # line 31
+        groups = [(t.example.dataset, t.example.id) for t in trajs] if args.sparse_baseline == "group" else None
+        A_tau = outcome_advantages([t.reward for t in trajs], groups)
         return [[a if ok else 0.0 for ok in v] for a, v in zip(A_tau, valid)], info
     G, buckets, at = [], [], 0
     for t, v in zip(trajs, valid):
         G.append(reward_to_go(s[at:at + len(t.steps)].tolist()))                   # line 28, Eq. 3
         buckets.append(step_buckets([st.action for st in t.steps], v))
         at += len(t.steps)
-    A = bucketed_advantages(G, buckets, valid, alpha)                               # line 29, Eq. 4
+    A = bucketed_advantages(G, buckets, valid, args.alpha, args.bucket_fallback)   # line 29, Eq. 4
     per_bucket: dict[str, list[float]] = {}
     for g_t, b_t, v_t in zip(G, buckets, valid):
         for g, b, ok in zip(g_t, b_t, v_t):
@@ -311,19 +487,19 @@ def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_coe
     from rubric_model import chat_prompt_ids, encode_response, response_kl, sequence_logprobs
     items = [(chat_prompt_ids(pi.tokenizer, st.prompt), st.output_ids or encode_response(pi, st.output), a)
              for t, a_t in zip(trajs, A) for st, a in zip(t.steps, a_t) if st.valid]
-    n_tokens = sum(len(r) for _, r, _ in items)
     pi.model.train()
     optimizer.zero_grad(set_to_none=True)
-    total, kl_sum = 0.0, 0.0
+    total, kl_sum, n_tokens = 0.0, 0.0, 0
     for chunk in chunks(items, args.micro_batch):
         prompts, responses = [p for p, _, _ in chunk], [r for _, r, _ in chunk]
         lp = response_kl(pi, prompts, responses) if kl_coef else sequence_logprobs(pi, prompts, responses)
-        kl_tokens = lp.kl[lp.mask] if lp.kl is not None else None
+        kl_step = reduce_tokens(lp.kl, lp.mask, args.token_reduction) if lp.kl is not None else None
         adv = torch.tensor([a for _, _, a in chunk], dtype=torch.float32, device=lp.logprobs.device)
-        loss = policy_loss(lp.sums(), adv, len(trajs), kl_tokens, kl_coef, n_tokens)   # Eq. 3
+        loss = policy_loss(lp.sums(), adv, len(trajs), kl_step, kl_coef)                 # Eq. 3
         loss.backward()
         total += float(loss.detach())
-        kl_sum += float(kl_tokens.detach().sum()) if kl_tokens is not None else 0.0
+        n_tokens += int(lp.mask.sum())
+        kl_sum += float((lp.kl * lp.mask).sum().detach()) if lp.kl is not None else 0.0
     if items:
         check_finite("policy (Eq. 3)", total)
         torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
@@ -339,29 +515,33 @@ def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
     for t in trajs:
         starts.append(at)
         at += len(t.steps)
+    weights = torch.tensor(class_weights([t.reward for t in trajs]) if args.class_balance else [1.0] * n_traj)
+    kl_divisor = n_traj if args.token_reduction == "mean" else n_steps
+    use_kl = bool(args.kl_mu) and mu.rubric_mode not in ("static", "none")
     mu.train()
     optimizer.zero_grad(set_to_none=True)
-    total, mse, kl_sum = 0.0, 0.0, 0.0
+    total, mse, kl_sum, n_tokens = 0.0, 0.0, 0.0, 0
     per_chunk = max(1, args.micro_batch // max(1, max(len(t.steps) for t in trajs)))
     for group in chunks(list(range(n_traj)), per_chunk):
         idx = [starts[i] + j for i in group for j in range(len(trajs[i].steps))]
         local = torch.tensor([k for k, i in enumerate(group) for _ in trajs[i].steps])
         ctx, rub = [contexts[i] for i in idx], [rubrics[i] for i in idx]
         R = torch.tensor([trajs[i].reward for i in group])
-        use_kl = bool(args.kl_mu) and mu.rubric_mode not in ("static", "none")
         scores, rubric_lp = mu.forward(ctx, rub, text=False, kl=use_kl)             # one shared decoder pass
         s = scores.s.float().cpu()
-        kl_step = rubric_lp.kl.sum(-1).float().cpu() if use_kl else None            # Σ_i KL_i per step
-        loss = rubric_loss(s, local, R, kl_step, args.kl_mu, n_traj, n_steps)        # Eq. 5
+        kl_step = reduce_tokens(rubric_lp.kl, rubric_lp.mask, args.token_reduction).float().cpu() if use_kl else None
+        loss = rubric_loss(s, local, R, kl_step, args.kl_mu, kl_divisor, n_traj, weights[group])   # Eq. 5
         loss.backward()
         total += float(loss.detach())
         mse += float(decomposition_loss(s.detach(), local, R, n_traj))
-        kl_sum += float(kl_step.detach().sum()) if kl_step is not None else 0.0
+        if use_kl:
+            kl_sum += float((rubric_lp.kl * rubric_lp.mask).sum().detach())
+            n_tokens += int(rubric_lp.mask.sum())
     check_finite("rubric-model (Eq. 5)", total)
     torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
     optimizer.step()
     mu.eval()
-    return {"rubric_loss": total, "decomposition_mse": mse, "kl_mu": kl_sum / max(n_steps, 1)}
+    return {"rubric_loss": total, "decomposition_mse": mse, "kl_mu": kl_sum / max(n_tokens, 1)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -455,6 +635,7 @@ def ensure_warmup(args: Args) -> Path:
     import warmup
     folder = Path(args.warmup_dir or Path(args.out_dir) / args.dataset / "warmup")
     need = ["pi_sft"] + ([] if args.reward == "outcome" else [mu_folder(args)])
+    warmup.check_retriever(folder, args.retriever, args.retriever_pooling)
     missing = [n for n in need if not (folder / n / "config.json").is_file()]
     if missing:
         print(f"[arco] {folder} has no {' or '.join(m + '/' for m in missing)}: running the offline oracle "
@@ -488,6 +669,16 @@ def build_models(args: Args, warmup_dir: Path):
     return pi, mu
 
 
+def make_optimizers(pi, mu, args: Args):
+    """AdamW for π's LoRA and for μ (its LoRA and score head, with their own learning rates), with the
+    release's weight decay; π's learning rate is set per epoch (sparse or dense)."""
+    from rubric_model import trainable_parameters
+    opt_pi = torch.optim.AdamW(trainable_parameters(pi.model), lr=args.pi_lr_sparse, weight_decay=args.weight_decay)
+    opt_mu = torch.optim.AdamW(mu.parameter_groups(args.mu_lr, args.head_lr), weight_decay=args.weight_decay) \
+        if mu is not None else None
+    return opt_pi, opt_mu
+
+
 def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, args: Args, retriever,
               run_dir: Path) -> dict:
     """One iteration of Algorithm 1 (lines 5–38) on one batch; appends its metrics and traces."""
@@ -495,7 +686,7 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, ar
     torch.manual_seed(args.seed * 1_000_003 + epoch * 1009 + b)   # resumable: sampling seeded per batch
     row: dict = {"kind": "update", "epoch": epoch, "batch": b, "dense": dense}
     t0 = time.time()
-    group = [ex for ex in batch for _ in range(args.group_size)]
+    group = [ex for ex in batch for _ in range(1 if dense else args.group_size)]     # B: G samples when sparse
     trajs = env.rollout(group, policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch),
                         retriever, args.max_searches, args.obs_chars)                    # lines 6–14
     row["seconds_rollout"] = time.time() - t0
@@ -504,16 +695,17 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, ar
         t0 = time.time()
         contexts, rubrics, d, s = annotate(mu, trajs, args)                             # lines 15–19
         row["seconds_mu_annotate"] = time.time() - t0
-    A, info = advantages(trajs, s, dense, args.alpha)                                   # lines 26–32
+    A, info = advantages(trajs, s, dense, args)                                         # lines 26–32
     t0 = time.time()
-    row.update(policy_update(pi, opt_pi, trajs, A, args, args.kl_pi))                   # lines 33–35
+    kl_pi = args.kl_pi_dense if dense else args.kl_pi_sparse
+    row.update(policy_update(pi, opt_pi, trajs, A, args, kl_pi))                        # lines 33–35
     row["seconds_pi_update"] = time.time() - t0
     if mu is not None:
         t0 = time.time()
         row.update(rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))           # lines 36–38
         row["seconds_mu_update"] = time.time() - t0
     steps = [st for t in trajs for st in t.steps]
-    row.update(mean_R=sum(t.reward for t in trajs) / len(trajs),
+    row.update(trajectories=len(trajs), questions=len(batch), mean_R=sum(t.reward for t in trajs) / len(trajs),
                invalid_rate=sum(not st.valid for st in steps) / len(steps),
                mean_s=float(s.mean()) if s is not None else None,
                rubric_parse_rate=sum(r.parsed for r in rubrics) / len(rubrics) if rubrics else None,
@@ -569,22 +761,23 @@ def run(args: Args) -> Path:
     ckpt_dir = run_dir / "checkpoints"
     if run_dir.exists() and not args.resume and (run_dir / "metrics.jsonl").exists():
         sys.exit(f"error: {run_dir} already holds a run: pass --resume to continue it, or --name for a new one")
+    last = latest_checkpoint(ckpt_dir) if args.resume else None
+    if args.resume and last is None:
+        sys.exit(f"error: --resume: {ckpt_dir} holds no finished epoch or Ctrl-C checkpoint to continue from; "
+                 f"check --name / --out-dir, or start afresh under another --name")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2) + "\n")
 
     warmup_dir = ensure_warmup(args)
     train = env.load_split(args.dataset, "train", args.data_dir or None, args.train_size, args.seed)
     dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size, args.seed)
-    retriever = env.Retriever()
+    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
     torch.manual_seed(args.seed)                 # the fresh LoRA adapters' initialization
     pi, mu = build_models(args, warmup_dir)
-    from rubric_model import trainable_parameters
-    opt_pi = torch.optim.AdamW(trainable_parameters(pi.model), lr=args.pi_lr_sparse, weight_decay=0.0)
-    opt_mu = torch.optim.AdamW(mu.parameter_groups(args.mu_lr, args.head_lr), weight_decay=0.0) if mu else None
+    opt_pi, opt_mu = make_optimizers(pi, mu, args)
 
     history: list[dict] = []           # one row per evaluation (epoch 0 = before RL = "SFT only")
     start_epoch, start_batch = 1, 0
-    last = latest_checkpoint(ckpt_dir) if args.resume else None
     if last is not None:
         pi, mu, opt_pi, opt_mu, start_epoch, start_batch, history = resume_from(last, args)
         done = lambda r: r.get("epoch", 0) < start_epoch or (r["epoch"] == start_epoch and r["kind"] == "update"
@@ -611,12 +804,10 @@ def run(args: Args) -> Path:
     from tqdm import tqdm
     with CtrlC() as ctrl_c:
         for epoch in range(start_epoch, args.epochs + 1):                                    # Alg. 1, line 3
-            dense = args.reward == "arco" and epoch >= args.dense_start_epoch                  # line 4
+            dense = is_dense(epoch, args)                                                      # line 4
             for g in opt_pi.param_groups:
                 g["lr"] = args.pi_lr_dense if dense else args.pi_lr_sparse
-            order = list(range(len(train)))
-            random.Random(f"{args.seed}-{epoch}").shuffle(order)
-            batches = chunks([train[i] for i in order], args.batch_size)
+            batches = epoch_batches(train, epoch, args)
             first = start_batch if epoch == start_epoch else 0
             bar = tqdm(range(first, len(batches)), desc=f"epoch {epoch} ({'dense' if dense else 'sparse'})")
             for b in bar:                                                                      # line 5
@@ -656,15 +847,13 @@ def run(args: Args) -> Path:
 def resume_from(folder: Path, args: Args):
     """Rebuild π, μ and their optimizers as they were in a checkpoint; returns them with the
     epoch and batch to continue from and the evaluation history so far."""
-    from rubric_model import RubricModel, load_backbone_checkpoint, trainable_parameters
+    from rubric_model import RubricModel, load_backbone_checkpoint
     pi, _ = load_backbone_checkpoint(folder / "pi", device=args.device)
     mu = RubricModel.load(folder / "mu", device=args.device) if (folder / "mu").is_dir() else None
     state = torch.load(folder / "optim.pt", weights_only=True)
-    opt_pi = torch.optim.AdamW(trainable_parameters(pi.model), lr=args.pi_lr_sparse, weight_decay=0.0)
+    opt_pi, opt_mu = make_optimizers(pi, mu, args)
     opt_pi.load_state_dict(state["opt_pi"])
-    opt_mu = None
     if mu is not None:
-        opt_mu = torch.optim.AdamW(mu.parameter_groups(args.mu_lr, args.head_lr), weight_decay=0.0)
         opt_mu.load_state_dict(state["opt_mu"])
     saved = json.loads((folder / "state.json").read_text())
     if saved.get("next_batch"):
@@ -672,11 +861,12 @@ def resume_from(folder: Path, args: Args):
     return pi, mu, opt_pi, opt_mu, saved["epoch"] + 1, 0, saved["history"]
 
 
-def select_checkpoint(history: list[dict], dense_start_epoch: int) -> dict:
-    """The paper's rule: the best dev-EM epoch after the dense transition (ties: the earlier);
-    the best overall is recorded beside it."""
+def select_checkpoint(history: list[dict], sparse_epochs: int) -> dict:
+    """The paper's rule (§4.1): the best dev-EM epoch after the dense transition, i.e. after the
+    `sparse_epochs` sparse ones (ties: the earlier); the best overall, epoch 0 included, is recorded
+    beside it. (The release has no selection code: its per-epoch evaluations are read by hand.)"""
     trained = [h for h in history if h["epoch"] >= 1]
-    post = [h for h in trained if h["epoch"] >= dense_start_epoch] or trained or history
+    post = [h for h in trained if h["epoch"] > sparse_epochs] or trained or history
     best_post = max(post, key=lambda h: (h["em"], -h["epoch"]))
     best_all = max(history, key=lambda h: (h["em"], -h["epoch"]))
     return {"selected_epoch": best_post["epoch"], "selected": best_post,
@@ -684,18 +874,18 @@ def select_checkpoint(history: list[dict], dense_start_epoch: int) -> dict:
 
 
 def write_selection(run_dir: Path, history: list[dict], args: Args) -> dict:
-    sel = select_checkpoint(history, args.dense_start_epoch)
+    sel = select_checkpoint(history, args.sparse_epochs)
     (run_dir / "selection.json").write_text(json.dumps(sel, indent=2) + "\n")
     return sel
 
 
 def write_report(run_dir: Path, history: list[dict], args: Args) -> None:
     """report.md: the results per epoch, the selected checkpoint, and a few trajectories with rubrics."""
-    sel = select_checkpoint(history, args.dense_start_epoch)
+    sel = select_checkpoint(history, args.sparse_epochs)
     lines = [f"# ARCO run `{run_dir.name}` on {args.dataset}", "",
              f"preset `{args.preset}`, reward `{args.reward}`, rubric `{args.rubric}`, K = {args.k}, "
              f"π = `{args.model}`, μ = `{args.mu_model}`; {args.train_size} train / {args.eval_size} dev questions, "
-             f"{args.epochs} epochs (dense from {args.dense_start_epoch}).", "",
+             f"{args.epochs} epochs, the first {args.sparse_epochs} sparse.", "",
              "| epoch | phase | dev EM | dev F1 | searches / question | invalid steps |", "|---|---|---|---|---|---|"]
     for h in history:
         phase = "SFT only" if h["epoch"] == 0 else ("dense" if h.get("dense") else "sparse")
@@ -727,6 +917,9 @@ def write_report(run_dir: Path, history: list[dict], args: Args) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     from evaluate import parse_args
     args = resolve_args(parse_args(Args, argv, description=__doc__))
+    if args.dry_run:
+        print(describe_plan(args, args.train_size))
+        return
     import env
     try:
         run_dir = run(args)

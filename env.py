@@ -398,6 +398,9 @@ def embedded_encoder_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 
+EMBEDDED_RETRIEVER = "all-MiniLM-L6-v2"   # what an empty --retriever means (the encoder shipped in a package)
+
+
 class Retriever:
     """Dense retrieval over an example's own paragraphs.
 
@@ -620,9 +623,9 @@ def answer_reward(answer: str, answers: Sequence[str]) -> float:
 
 
 def observation_text(paragraph: tuple[str, str], max_chars: int) -> str:
-    """o_t: "title: text", cut at a word boundary to max_chars characters."""
+    """o_t: "title: text", cut at a word boundary to max_chars characters (0: never cut, as the release)."""
     text = f"{paragraph[0]}: {paragraph[1]}"
-    if len(text) <= max_chars:
+    if not max_chars or len(text) <= max_chars:
         return text
     return text[:max_chars].rsplit(" ", 1)[0] + " ..."
 

@@ -64,8 +64,8 @@ class Args:
         "help": "number of questions, a deterministic sample (paper: 2,000; 0 = all)"})
     seed: int = field(default=0, metadata={"help": "seed of the question sample and of the oracle's imperfect trajectories"})
     samples: int = field(default=4, metadata={"help": "k, trajectories sampled per question (oracle: sample 0 is the gold one)"})
-    temperature: float = field(default=0.7, metadata={
-        "help": "sampling temperature of the API policy (default: the paper's rollout temperature)"})
+    temperature: float = field(default=1.0, metadata={
+        "help": "sampling temperature of the API policy (release: 1.0, configs/hotpotqa/hotpotqa.yaml)"})
     teacher: str = field(default="oracle", metadata={
         "help": "oracle (offline, from the gold evidence) or openai (any OpenAI-compatible endpoint)",
         "choices": ["oracle", "openai"]})
@@ -112,10 +112,16 @@ class Args:
     sft_lr_mu: float = field(default=5e-5, metadata={"help": "μ SFT LoRA learning rate (release: 5e-5)"})
     sft_head_lr: float = field(default=1e-3, metadata={"help": "μ SFT score-head learning rate (release: 1e-3)"})
     score_weight: float = field(default=10.0, metadata={"help": "λ of Eq. 7, the criterion-score loss weight (release: 10)"})
-    sft_batch_size: int = field(default=8, metadata={"help": "sequences per SFT optimizer step"})
+    sft_batch_pi: int = field(default=64, metadata={"help": "π SFT examples per optimizer step (release: 64)"})
+    sft_batch_mu: int = field(default=32, metadata={"help": "μ SFT steps per optimizer step (release: 32)"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay of both SFTs (release: 0.01)"})
+    token_reduction: str = field(default="mean", metadata={
+        "help": "Eq. 7: mean over tokens (and over the K scores; release) or sum (the paper's form)",
+        "choices": ["mean", "sum"]})
     micro_batch: int = field(default=4, metadata={"help": "sequences per forward pass (gradients are accumulated)"})
     max_new_tokens: int = field(default=64, metadata={"help": "π's max new tokens per action in the dev evaluation"})
-    eval_size: int = field(default=500, metadata={"help": "dev questions for the base / SFT-only evaluation (paper: 500)"})
+    eval_size: int = field(default=500, metadata={"help": "dev questions for the base / SFT-only evaluation and π SFT's "
+                                                          "choice of epoch (paper: 500)"})
     probe_size: int = field(default=32, metadata={"help": "μ SFT items on which Eq. 7's two terms are shown before/after"})
     train_mu: bool = field(default=True, metadata={"help": "also train μ (arco.py's outcome baseline needs only π)"})
     gen_batch: int = field(default=16, metadata={"help": "prompts per generation batch in the dev evaluation"})
@@ -1137,6 +1143,18 @@ def _micro(batch: list[int], size: int) -> list[list[int]]:
     return [batch[i:i + max(1, size)] for i in range(0, len(batch), max(1, size))]
 
 
+def warmup_cosine(optimizer, total_steps: int, warmup_fraction: float = 0.03):
+    """The release's SFT learning-rate schedule: linear warmup over the first 3% of the optimizer
+    steps, then a cosine decay to 0 (a LambdaLR over each group's own learning rate)."""
+    warm = max(1, int(warmup_fraction * total_steps))
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total_steps - warm))))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def policy_sft_loss(pi, batch: Sequence[tuple[list[int], list[int]]]):
     """π SFT: mean NLL of the target action's tokens given the RL policy prompt (target tokens only)."""
     from rubric_model import sequence_logprobs
@@ -1145,19 +1163,25 @@ def policy_sft_loss(pi, batch: Sequence[tuple[list[int], list[int]]]):
 
 
 def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch_size: int = 8, seed: int = 0,
-                     progress: bool = True, micro_batch: int = 4) -> list[float]:
+                     progress: bool = True, micro_batch: int = 4, weight_decay: float = 0.0,
+                     evaluate: Callable | None = None) -> dict:
     """π warmup (App. B): a LoRA trained on (policy prompt → action), then merged into the weights.
 
-    Returns the mean loss of each epoch.
+    AdamW with a 3%-warmup cosine schedule (the release's). With `evaluate` (π → its dev scores), π is
+    evaluated after every epoch and the epoch with the best dev EM is kept (the release's choice; the
+    earliest wins a tie): App. B's "the selected policy checkpoint initializes π". Returns the mean
+    loss of each epoch, the evaluations, and the chosen epoch with its scores and trajectories.
     """
     from tqdm import tqdm
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
     from rubric_model import add_lora, chat_prompt_ids, encode_response, merge_lora, trainable_parameters
     data = [(chat_prompt_ids(pi.tokenizer, ex["messages"]), encode_response(pi, ex["target"])) for ex in examples]
     add_lora(pi)
-    opt = torch.optim.AdamW(trainable_parameters(pi.model), lr=lr, weight_decay=0.0)
-    rng, losses = random.Random(seed), []
-    pi.model.train()
+    opt = torch.optim.AdamW(trainable_parameters(pi.model), lr=lr, weight_decay=weight_decay)
+    schedule = warmup_cosine(opt, epochs * math.ceil(len(data) / max(1, batch_size)))
+    rng, losses, evals, best = random.Random(seed), [], [], None
     for epoch in range(epochs):
+        pi.model.train()
         total = 0.0
         batches = _shuffled_batches(len(data), batch_size, rng)
         for b in tqdm(batches, desc=f"π SFT epoch {epoch + 1}/{epochs}", disable=not progress, leave=False):
@@ -1167,11 +1191,23 @@ def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch
                 loss.backward()
                 total += float(loss.detach()) * len(b)
             opt.step()
+            schedule.step()
         losses.append(total / max(len(data), 1))
-        print(f"[warmup] π SFT epoch {epoch + 1}: loss {losses[-1]:.4f}", flush=True)
-    pi.model.eval()
+        pi.model.eval()
+        line = f"[warmup] π SFT epoch {epoch + 1}: loss {losses[-1]:.4f}"
+        if evaluate is not None:
+            scores, trajs = evaluate(pi)
+            evals.append(scores)
+            line += f", dev EM {scores['em']:.1f} F1 {scores['f1']:.1f}"
+            if best is None or scores["em"] > best["scores"]["em"]:
+                best = {"epoch": epoch + 1, "scores": scores, "trajectories": trajs,
+                        "adapter": {k: v.detach().clone() for k, v in get_peft_model_state_dict(pi.model).items()}}
+        print(line, flush=True)
+    if best is not None and best["epoch"] != epochs:
+        set_peft_model_state_dict(pi.model, best.pop("adapter"))
+        print(f"[warmup] π SFT: keeping epoch {best['epoch']} (best dev EM)", flush=True)
     merge_lora(pi)
-    return losses
+    return {"losses": losses, "evals": evals, "best": best}
 
 
 def rubric_items(mu, items: Sequence[dict]):
@@ -1183,30 +1219,38 @@ def rubric_items(mu, items: Sequence[dict]):
     return contexts, rubrics, targets
 
 
-def rubric_sft_loss(mu, items: Sequence[dict], lam: float):
-    """Eq. 7: −Σ_t log p_θ(r̃_t | q, h_t, a_t) + λ Σ_t ‖d_t − ŝ_t‖², averaged over the steps of the batch.
+def rubric_sft_loss(mu, items: Sequence[dict], lam: float, token_reduction: str = "sum"):
+    """Eq. 7: −Σ_t log p_θ(r̃_t | q, h_t, a_t) + λ Σ_t ‖d_t − ŝ_t‖², on a batch of steps.
 
-    The text term is the sequence NLL of the teacher's criteria JSON (summed over its tokens, as
-    Eq. 7 writes it); the score term is the squared error of the score head's d_t on the full
-    scoring sequence (q, h_t, a_t, r̃_t) against the projected teacher scores ŝ_t. Variants with
-    no generated rubric ('static', 'none') have no text term: App. B, "ablations ... either remove
-    the rubric text target or replace it with a fixed rubric". Returns (loss, text, score).
+    The text term is the NLL of the teacher's criteria JSON; the score term is the squared error of
+    the score head's d_t on the full scoring sequence (q, h_t, a_t, r̃_t) against the projected teacher
+    scores ŝ_t. `token_reduction` "sum" is Eq. 7's form (the NLL summed over the rubric's tokens and
+    the error over the K scores, both averaged over the batch's steps); "mean" is the release's (the
+    NLL averaged over the batch's rubric tokens, the error over its steps × K). Variants with no
+    generated rubric ('static', 'none') have no text term: App. B, "ablations ... either remove the
+    rubric text target or replace it with a fixed rubric". Returns (loss, text, score).
     """
     contexts, rubrics, targets = rubric_items(mu, items)
     scores, logprobs = mu.forward(contexts, rubrics)         # both heads, one decoder pass
-    score = ((scores.d.float() - targets) ** 2).sum(-1).mean()
-    text = -logprobs.sums().float().mean() if logprobs is not None else score.new_zeros(())
+    sq = (scores.d.float() - targets) ** 2
+    score = sq.sum(-1).mean() if token_reduction == "sum" else sq.mean()
+    if logprobs is None:
+        text = score.new_zeros(())
+    elif token_reduction == "sum":
+        text = -logprobs.sums().float().mean()
+    else:
+        text = -logprobs.logprobs.float().sum() / logprobs.mask.sum().clamp_min(1)
     return text + lam * score, text, score
 
 
-def rubric_sft_terms(mu, items: Sequence[dict], lam: float, batch_size: int = 8) -> dict:
+def rubric_sft_terms(mu, items: Sequence[dict], lam: float, batch_size: int = 8, token_reduction: str = "sum") -> dict:
     """The two terms of Eq. 7, averaged over `items`, without gradients (to show μ SFT lowers both)."""
     text = score = 0.0
     mu.eval()
     with torch.no_grad():
         for i in range(0, len(items), batch_size):
             chunk = items[i:i + batch_size]
-            _, t, sc = rubric_sft_loss(mu, chunk, lam)
+            _, t, sc = rubric_sft_loss(mu, chunk, lam, token_reduction)
             text += float(t) * len(chunk)
             score += float(sc) * len(chunk)
     n = max(len(items), 1)
@@ -1214,13 +1258,17 @@ def rubric_sft_terms(mu, items: Sequence[dict], lam: float, batch_size: int = 8)
 
 
 def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr: float, lam: float,
-                     batch_size: int = 8, seed: int = 0, progress: bool = True, micro_batch: int = 2) -> list[float]:
+                     batch_size: int = 8, seed: int = 0, progress: bool = True, micro_batch: int = 2,
+                     weight_decay: float = 0.0, token_reduction: str = "sum") -> list[float]:
     """μ warmup (App. B, Eq. 7): a LoRA on μ's backbone and the score head, trained together with
-    separate learning rates; the LoRA is then merged. Returns the mean loss of each epoch."""
+    separate learning rates (AdamW, the release's 3%-warmup cosine schedule); the last epoch is kept
+    (as in the release, which has no validation split for μ) and its LoRA merged. Returns the mean
+    loss of each epoch."""
     from tqdm import tqdm
     from rubric_model import add_lora, merge_lora
     add_lora(mu.backbone)
-    opt = torch.optim.AdamW(mu.parameter_groups(lr, head_lr), weight_decay=0.0)
+    opt = torch.optim.AdamW(mu.parameter_groups(lr, head_lr), weight_decay=weight_decay)
+    schedule = warmup_cosine(opt, epochs * math.ceil(len(items) / max(1, batch_size)))
     rng, losses = random.Random(seed), []
     mu.train()
     for epoch in range(epochs):
@@ -1229,10 +1277,11 @@ def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr:
                       disable=not progress, leave=False):
             opt.zero_grad(set_to_none=True)
             for part in _micro(b, micro_batch):
-                loss = rubric_sft_loss(mu, [items[i] for i in part], lam)[0] * len(part) / len(b)
+                loss = rubric_sft_loss(mu, [items[i] for i in part], lam, token_reduction)[0] * len(part) / len(b)
                 loss.backward()
                 total += float(loss.detach()) * len(b)
             opt.step()
+            schedule.step()
         losses.append(total / max(len(items), 1))
         print(f"[warmup] μ SFT epoch {epoch + 1}: loss {losses[-1]:.4f}", flush=True)
     mu.eval()
@@ -1300,13 +1349,18 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     else:
         pi = load_backbone(args.model, device=args.device)
         print(f"[warmup] evaluating the base policy ({args.model}) on {len(dev)} dev questions", flush=True)
-        metrics["base"], _ = evaluate_policy(pi, dev, retriever, args.max_new_tokens, args.obs_chars, args.gen_batch)
-        metrics["pi_sft_loss_per_epoch"] = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi,
-                                                            args.sft_batch_size, args.seed, args.progress,
-                                                            args.micro_batch)
+
+        def dev_eval(policy):
+            return evaluate_policy(policy, dev, retriever, args.max_new_tokens, args.obs_chars, args.gen_batch)
+        metrics["base"], _ = dev_eval(pi)
+        sft = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi, args.sft_batch_pi, args.seed,
+                               args.progress, args.micro_batch, args.weight_decay, dev_eval)
+        metrics["pi_sft_loss_per_epoch"] = sft["losses"]
+        metrics["pi_sft_dev_em_per_epoch"] = [e["em"] for e in sft["evals"]]
+        metrics["pi_sft_epoch"] = sft["best"]["epoch"]
         save_backbone(pi, out_dir / "pi_sft")
-        metrics["sft_only"], trajs = evaluate_policy(pi, dev, retriever, args.max_new_tokens, args.obs_chars,
-                                                     args.gen_batch)
+        # The chosen epoch's evaluation is the SFT-only row (greedy: the merged weights decode the same).
+        metrics["sft_only"], trajs = sft["best"]["scores"], sft["best"]["trajectories"]
         # What arco.py needs to take this evaluation as its epoch 0 instead of repeating it.
         metrics["sft_only_settings"] = eval_settings(args.eval_size, args.seed, args.max_new_tokens, args.obs_chars,
                                                      args.gen_batch)
@@ -1326,11 +1380,13 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     mu = RubricModel(mu_backbone, k=args.K, rubric_mode=args.rubric_mode, examples=args.mu_examples)
     probe = list(mu_items[:args.probe_size])
     m = metrics.setdefault("mu", {}).setdefault(name, {})
-    m["mu_sft_terms_before"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch)
+    m["token_reduction"] = args.token_reduction
+    m["mu_sft_terms_before"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
     m["mu_sft_loss_per_epoch"] = train_rubric_sft(mu, mu_items, args.sft_epochs_mu, args.sft_lr_mu,
-                                                  args.sft_head_lr, args.score_weight, args.sft_batch_size,
-                                                  args.seed, args.progress, args.micro_batch)
-    m["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch)
+                                                  args.sft_head_lr, args.score_weight, args.sft_batch_mu,
+                                                  args.seed, args.progress, args.micro_batch, args.weight_decay,
+                                                  args.token_reduction)
+    m["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
     mu.save(out_dir / name)
     metrics.update(m)                 # the last μ trained, also at the top level (as before variants)
     write_json(out_dir / "metrics.json", metrics)
@@ -1385,15 +1441,36 @@ def check_gold(args: Args) -> None:
               + ", ".join(f"{t} {100 * v['all_evidence']:.0f}% of {v['n']}" for t, v in r["by_type"].items()))
 
 
+def check_retriever(folder: Path, retriever: str, pooling: str) -> None:
+    """A warmup folder keeps the retriever its trajectories were played with (retriever.json); a
+    warmup or an RL run with another retriever stops here, naming both, instead of mixing them."""
+    path = Path(folder) / "retriever.json"
+    wanted = {"retriever": retriever or env.EMBEDDED_RETRIEVER, "pooling": pooling}
+    if path.is_file():
+        have = json.loads(path.read_text())
+        if have != wanted:
+            raise env.DataError(f"the warmup in {folder} was made with retriever {have['retriever']} "
+                                f"({have['pooling']} pooling), this run asks for {wanted['retriever']} "
+                                f"({wanted['pooling']} pooling); pass the same --retriever / --retriever-pooling, "
+                                f"or another --warmup-dir")
+    elif (Path(folder) / "records.jsonl").is_file() or (Path(folder) / "pi_sft").is_dir():
+        if wanted["retriever"] != env.EMBEDDED_RETRIEVER or pooling != "mean":   # made before retriever.json
+            raise env.DataError(f"the warmup in {folder} records no retriever (it predates retriever.json, so it "
+                                f"used {env.EMBEDDED_RETRIEVER}); this run asks for {wanted['retriever']}")
+
+
 def run(args: Args) -> Path:
     """The whole warmup: collection (resumable), filtering, SFT datasets, π SFT, μ SFT, evaluation."""
     if args.dataset not in env.DATASETS:
         raise env.DataError(f"unknown dataset '{args.dataset}': choose one of {', '.join(env.DATASETS)}")
     out_dir = Path(args.out_dir or Path("runs") / args.dataset / "warmup")
+    check_retriever(out_dir, args.retriever, args.retriever_pooling)
     examples = env.load_split(args.dataset, args.split, args.data_dir or None, args.train_size or None, args.seed)
     teacher = make_teacher(args)
     retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
     write_json(out_dir / "args.json", dataclasses.asdict(args))
+    write_json(out_dir / "retriever.json", {"retriever": args.retriever or env.EMBEDDED_RETRIEVER,
+                                            "pooling": args.retriever_pooling})
     ks = collection_suffix(args.K)
     try:
         run_counts = collect(examples, teacher, retriever, out_dir, args.samples, args.K, args.tol, args.progress)
@@ -1434,10 +1511,12 @@ def run(args: Args) -> Path:
 
 def run_from_arco(a, out_dir: Path) -> Path:
     """The offline oracle warmup with the settings of an arco.py run (its preset and flags)."""
-    args = Args(dataset=a.dataset, data_dir=a.data_dir, train_size=a.train_size, seed=a.seed,
+    args = Args(dataset=a.dataset, data_dir=a.data_dir, train_size=a.warmup_size, seed=a.seed,
                 samples=a.warmup_samples, K=a.k, out_dir=str(out_dir), model=a.model, mu_model=a.mu_model,
                 rubric_mode=a.rubric, device=a.device, sft_epochs_pi=a.sft_epochs_pi, sft_epochs_mu=a.sft_epochs_mu,
                 sft_lr_pi=a.sft_lr_pi, sft_lr_mu=a.sft_lr_mu, sft_head_lr=a.sft_head_lr,
+                sft_batch_pi=a.sft_batch_pi, sft_batch_mu=a.sft_batch_mu, weight_decay=a.weight_decay,
+                token_reduction=a.token_reduction, retriever=a.retriever, retriever_pooling=a.retriever_pooling,
                 micro_batch=a.micro_batch, max_new_tokens=a.max_new_tokens_pi, eval_size=a.eval_size,
                 obs_chars=a.obs_chars, gen_batch=a.gen_batch, mu_examples=a.mu_examples,
                 probe_size=a.warmup_probe, train_mu=a.reward != "outcome")

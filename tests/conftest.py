@@ -18,7 +18,10 @@ def data_dir() -> str:
     for d in (os.environ.get("ARCO_DATA_DIR"), REPO.parent / "shared" / "data"):
         if d and (Path(d) / "hotpotqa").is_dir():
             return str(d)
-    pytest.skip("no shared data: set ARCO_DATA_DIR to the folder holding hotpotqa/, 2wiki/, musique/")
+    why = "no shared data: set ARCO_DATA_DIR to the folder holding hotpotqa/, 2wiki/, musique/"
+    if os.environ.get("ARCO_REQUIRE_DATA") == "1":        # CI: a data test that skips would hide a failure
+        pytest.fail(why + " (ARCO_REQUIRE_DATA=1)")
+    pytest.skip(why)
 
 
 @pytest.fixture(scope="session")

@@ -10,32 +10,144 @@ import env
 import rubric_model as rm
 
 
-def test_policy_update_matches_hand_computation(tiny_dir):
-    """Eq. 3 on a tiny model: the loss policy_update reports equals −(1/|B|) Σ A log p(a|h), with
-    log p(a|h) recomputed here the slow way, one sequence and one token at a time."""
-    pi = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
-    rm.add_lora(pi)
+def scripted_batch():
+    """Two synthetic questions played by a script: [Search[title], Finish[no]] and [Finish[answer]]."""
     examples = env.synthetic_examples(2, split="dev")
     title = examples[0].paragraphs[0][0]
     script = iter(["Search[" + title + "]", "Finish[no]", "Finish[" + examples[1].answer + "]"])
-    trajs = env.rollout(examples, lambda prompts: [next(script) for _ in prompts], TitleRetriever())
-    A = [[0.5, -0.25], [1.0]]
-    args = arco.resolve_args(arco.Args(micro_batch=2))
-    out = arco.policy_update(pi, torch.optim.SGD(rm.trainable_parameters(pi.model), lr=0.0), trajs, A, args, 0.0)
+    return env.rollout(examples, lambda prompts: [next(script) for _ in prompts], TitleRetriever())
 
-    expected = 0.0
+
+def perturb_lora(bb, seed=1, std=0.05):
+    """Give the adapter's B matrices random values, so that π ≠ π_ref and the KL is not zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in bb.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def lora_state(bb):
+    return {n: p.detach().clone() for n, p in bb.model.named_parameters() if p.requires_grad}
+
+
+def step_logps(pi, trajs):
+    """log π(a_t|h_t) of every step, the slow way (one sequence at a time, eval mode)."""
+    out = []
+    pi.model.eval()
+    with torch.no_grad():
+        for t in trajs:
+            for st in t.steps:
+                prompt, response = rm.chat_prompt_ids(pi.tokenizer, st.prompt), rm.encode_response(pi, st.output)
+                logits = pi.model(torch.tensor([prompt + response])).logits[0].float()
+                out.append(float(sum(torch.log_softmax(logits[len(prompt) - 1 + i], -1)[tok]
+                                     for i, tok in enumerate(response))))
+    return out
+
+
+def test_policy_update_matches_a_hand_computation_with_the_kl_term(tiny_dir):
+    """Eq. 3 on a tiny model with π ≠ π_ref: the loss policy_update reports equals
+    −(1/|B|) Σ A log p(a|h) + λ_π (1/|B|) Σ_t mean_i KL(π‖π_ref)_i, recomputed here one sequence and one
+    token at a time; with every A = 0 the gradient is the KL term's alone, and it is not zero."""
+    pi = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
+    perturb_lora(pi)
+    trajs = scripted_batch()
+    A = [[0.5, -0.25], [1.0]]
+    args = arco.resolve_args(arco.Args(micro_batch=2, token_reduction="mean"))
+    params = rm.trainable_parameters(pi.model)
+    out = arco.policy_update(pi, torch.optim.SGD(params, lr=0.0), trajs, A, args, 0.05)
+
+    expected_pg, expected_kl = 0.0, 0.0
     pi.model.eval()
     with torch.no_grad():
         for t, a_t in zip(trajs, A):
             for st, a in zip(t.steps, a_t):
-                prompt = rm.chat_prompt_ids(pi.tokenizer, st.prompt)
+                ids = rm.chat_prompt_ids(pi.tokenizer, st.prompt)
                 response = rm.encode_response(pi, st.output)
-                logits = pi.model(torch.tensor([prompt + response])).logits[0].float()
-                logp = sum(torch.log_softmax(logits[len(prompt) - 1 + i], -1)[tok] for i, tok in enumerate(response))
-                expected += a * float(logp)
-    expected = -expected / len(trajs)
+                logits = pi.model(torch.tensor([ids + response])).logits[0].float()
+                with pi.model.disable_adapter():
+                    ref = pi.model(torch.tensor([ids + response])).logits[0].float()
+                logp, kl = 0.0, []
+                for i, tok in enumerate(response):
+                    p = torch.log_softmax(logits[len(ids) - 1 + i], -1)
+                    q = torch.log_softmax(ref[len(ids) - 1 + i], -1)
+                    logp += float(p[tok])
+                    kl.append(float((p.exp() * (p - q)).sum()))        # KL(π ‖ π_ref) at this token
+                expected_pg += a * logp
+                expected_kl += sum(kl) / len(kl)                         # the release's token mean per step
+    expected = -expected_pg / 2 + 0.05 * expected_kl / 2                 # |B| = 2 trajectories
+    assert expected_kl > 1e-4                                            # the perturbed adapter is not π_ref
     assert out["policy_steps"] == 3
     assert out["policy_loss"] == pytest.approx(expected, rel=1e-4)
+
+    zero = [[0.0, 0.0], [0.0]]
+    arco.policy_update(pi, torch.optim.SGD(params, lr=0.0), trajs, zero, args, 0.05)
+    kl_grad = torch.cat([p.grad.flatten() for p in params])
+    arco.policy_update(pi, torch.optim.SGD(params, lr=0.0), trajs, zero, args, 0.0)
+    assert kl_grad.norm() > 1e-6 and all(p.grad is None or not p.grad.any() for p in params)
+
+
+def test_policy_update_raises_actions_with_positive_advantage_and_lowers_negative_ones(tiny_dir):
+    """One real step (SGD, lr > 0, λ_π = 0.05): the adapter moves; log π of the action with A > 0 rises,
+    that of the action with A < 0 falls (each from the same starting adapter)."""
+    pi = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
+    trajs = scripted_batch()
+    args = arco.resolve_args(arco.Args(micro_batch=2))
+    start, before = lora_state(pi), step_logps(pi, trajs)
+    for which, sign in ((0, 1.0), (2, -1.0)):                    # Search[title] up, Finish[answer] down
+        pi.model.load_state_dict(start, strict=False)
+        A = [[sign if which == 0 else 0.0, 0.0], [sign if which == 2 else 0.0]]
+        arco.policy_update(pi, torch.optim.SGD(rm.trainable_parameters(pi.model), lr=0.5), trajs, A, args, 0.05)
+        moved = lora_state(pi)
+        assert any(not torch.equal(moved[n], start[n]) for n in start)
+        after = step_logps(pi, trajs)
+        assert (after[which] - before[which]) * sign > 1e-4, (which, before, after)
+
+
+def test_rubric_update_moves_lora_and_head_and_lowers_the_decomposition_error(tiny_dir):
+    """One Eq. 5 step on a fixed batch: micro-batched (one trajectory per pass) gives the whole batch's
+    loss and gradients; a real step moves μ's LoRA and its score head and lowers Σ_τ (Σ_t s_t − R)²."""
+    bb = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
+    perturb_lora(bb)
+    torch.manual_seed(0)
+    mu = rm.RubricModel(bb, k=3, examples=0)
+    trajs = scripted_batch()                                  # both failures first: class weights 1/2 each
+    contexts = [c for t in trajs for c in rm.contexts_from_trajectory(t)]
+    rubrics = [mu.rubric_from_criteria([f"criterion {i} of step", "b", "c"]) for i in range(len(contexts))]
+    groups = mu.parameter_groups(0.0, 0.0)
+
+    def grads(micro_batch):
+        args = arco.resolve_args(arco.Args(micro_batch=micro_batch, kl_mu=0.05))
+        out = arco.rubric_update(mu, torch.optim.SGD(groups, lr=0.0), trajs, contexts, rubrics, args)
+        return out, [p.grad.clone() for g in groups for p in g["params"]]
+    whole, g_whole = grads(16)
+    split, g_split = grads(1)                                 # max(1, 1 // 2 steps): one trajectory per pass
+    assert split["rubric_loss"] == pytest.approx(whole["rubric_loss"], rel=1e-5) and whole["kl_mu"] > 0
+    # Eq. 5 as the release scales it, by hand: class weights of R = (0, 0) are 2 / (2 · 2) = 1/2 each; each
+    # step's KL is the mean over its rubric tokens; the steps' KLs are summed and divided by |B| = 2.
+    with torch.no_grad():
+        s = mu.score(contexts, rubrics).s.tolist()
+        kl = mu.rubric_kl(contexts, rubrics)
+    step_kl = [float(kl.kl[i][kl.mask[i]].mean()) for i in range(len(contexts))]
+    n0 = len(trajs[0].steps)
+    decomposition = (sum(s[:n0]) ** 2 + sum(s[n0:]) ** 2) / 2
+    assert whole["rubric_loss"] == pytest.approx(0.5 * decomposition + 0.05 * sum(step_kl) / 2, rel=1e-4)
+    assert whole["decomposition_mse"] == pytest.approx(decomposition, rel=1e-4)        # logged unweighted
+
+    trajs[0].reward = 1.0                                     # one success, one failure
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g_whole, g_split))
+
+    def error():
+        with torch.no_grad():
+            s = mu.score(contexts, rubrics).s
+        sums = [float(s[:2].sum()), float(s[2:].sum())]
+        return sum((x - t.reward) ** 2 for x, t in zip(sums, trajs))
+    lora0, head0, err0 = lora_state(bb), {n: p.clone() for n, p in mu.head.named_parameters()}, error()
+    opt = torch.optim.AdamW(mu.parameter_groups(1e-3, 1e-2), weight_decay=0.0)
+    arco.rubric_update(mu, opt, trajs, contexts, rubrics, arco.resolve_args(arco.Args(micro_batch=16)))
+    assert any(not torch.equal(p, lora0[n]) for n, p in lora_state(bb).items())
+    assert any(not torch.equal(p, head0[n]) for n, p in mu.head.named_parameters())
+    assert error() < err0
 
 
 class TitleRetriever:
@@ -45,7 +157,7 @@ class TitleRetriever:
 
 def tiny_args(tiny_dir, out, **kw):
     argv = ["--dataset", "synthetic", "--model", str(tiny_dir), "--train-size", "4", "--eval-size", "3",
-            "--epochs", "2", "--dense-start-epoch", "2", "--batch-size", "2", "--group-size", "2",
+            "--epochs", "2", "--sparse-epochs", "1", "--batch-size", "4", "--group-size", "2",
             "--max-new-tokens-pi", "8", "--max-new-tokens-mu", "12", "--out-dir", str(out), "--sft-epochs-pi", "1",
             "--sft-epochs-mu", "1", "--warmup-samples", "2", "--device", "cpu"]
     for k, v in kw.items():
@@ -73,12 +185,19 @@ def test_whole_loop_leaves_a_readable_run(tiny_run):
     evals = [r for r in rows if r["kind"] == "eval"]
     updates = [r for r in rows if r["kind"] == "update"]
     assert [r["epoch"] for r in evals] == [0, 1, 2]
-    assert [(r["epoch"], r["dense"]) for r in updates] == [(1, False), (1, False), (2, True), (2, True)]
-    for r in updates:
-        assert 0 <= r["mean_R"] <= 1 and 0 <= r["invalid_rate"] <= 1 and r["decomposition_mse"] >= 0
-        assert r["seconds_rollout"] > 0 and r["seconds_mu_update"] > 0 and -1 <= r["mean_s"] <= 1
+    # 4 trajectories per update: sparse 2 questions × G = 2 (two updates), dense 4 questions × 1 (one)
+    assert [(r["epoch"], r["dense"], r["questions"], r["trajectories"]) for r in updates] == \
+        [(1, False, 2, 4), (1, False, 2, 4), (2, True, 4, 4)]
+    for r in updates:                                          # the logged numbers are the traces' numbers
+        batch = [t for t in read_jsonl(run / "traces" / f"epoch_{r['epoch']}.jsonl") if t["batch"] == r["batch"]]
+        steps = [st for t in batch for st in t["steps"]]
+        assert r["mean_R"] == pytest.approx(sum(t["reward"] for t in batch) / len(batch))
+        assert r["invalid_rate"] == pytest.approx(sum(not st["valid"] for st in steps) / len(steps))
+        assert r["mean_s"] == pytest.approx(sum(st["s"] for st in steps) / len(steps), abs=1e-4)
+        assert r["policy_steps"] == sum(st["valid"] for st in steps)
+        assert len({t["id"] for t in batch}) == r["questions"]
     dense_trace = read_jsonl(run / "traces" / "epoch_2.jsonl")
-    assert len(dense_trace) == 8                               # 4 questions × G = 2
+    assert len(dense_trace) == 4                               # 4 questions × 1
     for row in dense_trace:
         G = [st["G"] for st in row["steps"]]
         s = [st["s"] for st in row["steps"]]
@@ -90,6 +209,28 @@ def test_whole_loop_leaves_a_readable_run(tiny_run):
     assert sel["selected_epoch"] == 2                           # the only post-transition epoch
     report = (run / "report.md").read_text()
     assert "| 0 | SFT only |" in report and "| 2 | dense |" in report and "Selected" in report
+
+
+def test_learning_rate_and_kl_switch_at_the_transition(tiny_run, tiny_dir, monkeypatch):
+    """Sparse epochs update π with --pi-lr-sparse and λ_π = --kl-pi-sparse, dense ones with the dense
+    values (the cpu preset's 1e-4 / 0 and 5e-5 / 0.05); AdamW with the release's weight decay."""
+    seen = []
+    real = arco.policy_update
+
+    def spy(pi, optimizer, trajs, A, args, kl_coef):
+        group = optimizer.param_groups[0]
+        seen.append((group["lr"], kl_coef, group["weight_decay"], len(trajs)))
+        return real(pi, optimizer, trajs, A, args, kl_coef)
+    monkeypatch.setattr(arco, "policy_update", spy)
+    arco.main(tiny_args(tiny_dir, tiny_run, name="lr-switch", warmup_dir=tiny_run / "synthetic" / "warmup"))
+    assert seen == [(1e-4, 0.0, 0.01, 4), (1e-4, 0.0, 0.01, 4), (5e-5, 0.05, 0.01, 4)]
+
+
+def test_a_warmup_made_with_another_retriever_is_refused(tiny_run, tiny_dir):
+    with pytest.raises(SystemExit, match="retriever all-MiniLM-L6-v2 .*asks for some/other-encoder"):
+        arco.main(tiny_args(tiny_dir, tiny_run, name="other-retriever", retriever="some/other-encoder"))
+    args = json.loads((tiny_run / "synthetic" / "other-retriever" / "args.json").read_text())
+    assert (args["retriever"], args["retriever_pooling"]) == ("some/other-encoder", "mean")
 
 
 def test_outcome_baseline_has_no_mu(tiny_run, tiny_dir):
@@ -192,11 +333,11 @@ def test_resume_after_a_kill_mid_epoch(tiny_run, tiny_dir, monkeypatch):
     run, ref = tiny_run / "synthetic" / "killed", tiny_run / "synthetic" / "arco"
     assert evals(run) == evals(ref)
     assert updates(run) == updates(ref)
-    assert len(read_jsonl(run / "traces" / "epoch_2.jsonl")) == 8          # redone rows are not duplicated
+    assert len(read_jsonl(run / "traces" / "epoch_2.jsonl")) == 4          # redone rows are not duplicated
 
 
 def test_ctrl_c_finishes_the_batch_saves_and_resumes_from_the_next_one(tiny_run, tiny_dir, monkeypatch):
-    """Ctrl-C (SIGINT) in epoch 2, batch 0: the batch finishes, a checkpoint is saved, the run exits;
+    """Ctrl-C (SIGINT) in epoch 1, batch 0: the batch finishes, a checkpoint is saved, the run exits;
     --resume continues at batch 1 and ends exactly where the uninterrupted run ended."""
     import os
     import signal
@@ -204,19 +345,19 @@ def test_ctrl_c_finishes_the_batch_saves_and_resumes_from_the_next_one(tiny_run,
     handler_before = signal.getsignal(signal.SIGINT)            # SIG_IGN under nohup, for example
     real_update = arco.rubric_update
     monkeypatch.setattr(arco, "rubric_update",
-                        failing_on_call(real_update, 3, lambda: os.kill(os.getpid(), signal.SIGINT)))
+                        failing_on_call(real_update, 1, lambda: os.kill(os.getpid(), signal.SIGINT)))
     with pytest.raises(SystemExit, match="interrupted.*--resume"):
         arco.main(tiny_args(tiny_dir, tiny_run, name="ctrl-c", warmup_dir=warm))
     run, ref = tiny_run / "synthetic" / "ctrl-c", tiny_run / "synthetic" / "arco"
     state = json.loads((run / "checkpoints" / "interrupted" / "state.json").read_text())
-    assert (state["epoch"], state["next_batch"]) == (2, 1)
-    assert updates(run) == updates(ref)[:3]                                   # batch 0 of epoch 2 finished
+    assert (state["epoch"], state["next_batch"]) == (1, 1)
+    assert updates(run) == updates(ref)[:1]                                   # batch 0 of epoch 1 finished
     monkeypatch.setattr(arco, "rubric_update", real_update)
     seen = []
     real_iteration = arco.iteration
     monkeypatch.setattr(arco, "iteration", lambda *a, **kw: seen.append(a[5:7]) or real_iteration(*a, **kw))
     arco.main(tiny_args(tiny_dir, tiny_run, name="ctrl-c", warmup_dir=warm, resume=True))
-    assert seen == [(2, 1)]                                                  # only what was left
+    assert seen == [(1, 1), (2, 0)]                                          # only what was left
     assert evals(run) == evals(ref) and updates(run) == updates(ref)
     assert not (run / "checkpoints" / "interrupted").exists()
     assert signal.getsignal(signal.SIGINT) is handler_before                  # handler restored
@@ -242,33 +383,39 @@ def test_a_nan_loss_stops_with_a_clear_message_and_keeps_the_last_checkpoint(tin
     assert (ckpts / "epoch_1" / "state.json").is_file() and not (ckpts / "epoch_2").exists()
 
 
-def test_whole_loop_on_the_embedded_model(tmp_path):
-    """Algorithm 1 end to end with the real embedded SmolLM2 for π and μ, on a handful of synthetic
+def test_whole_loop_on_the_embedded_model_and_real_hotpotqa(tmp_path, data_dir):
+    """Algorithm 1 end to end with the real embedded SmolLM2 for π and μ, on a few real HotpotQA
     questions: warmup → sparse epoch → dense epoch → evaluations → report, with sane files."""
-    argv = ["--dataset", "synthetic", "--train-size", "2", "--eval-size", "2", "--epochs", "2",
-            "--dense-start-epoch", "2", "--batch-size", "2", "--group-size", "2", "--max-new-tokens-pi", "16",
-            "--max-new-tokens-mu", "24", "--sft-epochs-pi", "1", "--sft-epochs-mu", "1", "--warmup-samples", "2",
-            "--warmup-probe", "2", "--out-dir", str(tmp_path), "--device", "cpu"]
+    argv = ["--dataset", "hotpotqa", "--data-dir", data_dir, "--train-size", "2", "--eval-size", "2",
+            "--epochs", "2", "--sparse-epochs", "1", "--batch-size", "2", "--group-size", "2",
+            "--max-new-tokens-pi", "16", "--max-new-tokens-mu", "24", "--sft-epochs-pi", "1", "--sft-epochs-mu", "1",
+            "--warmup-samples", "2", "--warmup-probe", "2", "--out-dir", str(tmp_path), "--device", "cpu"]
     arco.main(argv)
-    run = tmp_path / "synthetic" / "arco"
+    run = tmp_path / "hotpotqa" / "arco"
     args = json.loads((run / "args.json").read_text())
     assert args["model"] == "embedded" and args["mu_model"] == "embedded" and args["max_new_tokens_mu"] == 24
+    assert json.loads((tmp_path / "hotpotqa" / "warmup" / "retriever.json").read_text()) == \
+        {"retriever": env.EMBEDDED_RETRIEVER, "pooling": "mean"}
     rows = read_jsonl(run / "metrics.jsonl")
     evals = [r for r in rows if r["kind"] == "eval"]
     updates = [r for r in rows if r["kind"] == "update"]
-    assert [r["epoch"] for r in evals] == [0, 1, 2] and all(r["n"] == 2 and 0 <= r["em"] <= 100 for r in evals)
-    assert [(r["epoch"], r["dense"]) for r in updates] == [(1, False), (2, True)]
+    assert [r["epoch"] for r in evals] == [0, 1, 2] and all(r["n"] == 2 for r in evals)
+    assert [(r["epoch"], r["dense"], r["questions"], r["trajectories"]) for r in updates] == \
+        [(1, False, 1, 2), (1, False, 1, 2), (2, True, 2, 2)]
     for r in updates:
         batch_rows = [t for t in read_jsonl(run / "traces" / f"epoch_{r['epoch']}.jsonl") if t["batch"] == r["batch"]]
-        assert r["policy_steps"] == sum(st["valid"] for t in batch_rows for st in t["steps"])   # V_τ, invalid out
-        assert r["decomposition_mse"] >= 0 and -1 <= r["mean_s"] <= 1
-        assert 0 <= r["rubric_parse_rate"] <= 1 and r["kl_mu"] >= 0 and r["kl_pi"] >= 0
+        steps = [st for t in batch_rows for st in t["steps"]]
+        assert r["policy_steps"] == sum(st["valid"] for st in steps)            # V_τ, invalid out
+        assert r["mean_s"] == pytest.approx(sum(st["s"] for st in steps) / len(steps), abs=1e-4)
+        assert r["rubric_parse_rate"] == pytest.approx(sum(st["rubric_parsed"] for st in steps) / len(steps))
         assert min(r["seconds_rollout"], r["seconds_mu_annotate"], r["seconds_pi_update"], r["seconds_mu_update"]) > 0
+        assert r["dense"] or r["kl_pi"] == 0                                    # λ_π = 0: no KL pass when sparse
     trace = read_jsonl(run / "traces" / "epoch_2.jsonl")
-    assert len(trace) == 4                                                    # 2 questions × G = 2
+    assert len(trace) == 2                                                    # 2 questions × 1
     for row in trace:
         for st in row["steps"]:
-            assert len(st["criteria"]) == 3 and len(st["d"]) == 3 and -1 <= st["s"] <= 1
+            assert len(st["criteria"]) == 3 and len(st["d"]) == 3
+            assert st["s"] == pytest.approx(sum(st["d"]) / 3, abs=1e-3)         # Eq. 2
             assert st["rubric_parsed"] or st.get("rubric_text")               # what μ wrote, always kept
         assert [st["G"] for st in row["steps"]] == pytest.approx(arco.reward_to_go([st["s"] for st in row["steps"]]),
                                                                  abs=1e-3)

@@ -1,6 +1,8 @@
-"""Eq. 3–5 and Alg. 1 line 31 against the hand-worked golden vectors in tests/vectors.json."""
+"""Eq. 3–5 and Alg. 1 line 31 against the hand-worked golden vectors in tests/vectors.json, and
+arco.advantages (Alg. 1, lines 26–32) on hand-built trajectories in both phases."""
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,9 +12,21 @@ import arco
 V = json.loads((Path(__file__).parent / "vectors.json").read_text())
 
 
+def approx_rows(got, expected):
+    """Row by row, with the number of rows and of entries per row checked (zip alone would not)."""
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert len(g) == len(e) and g == pytest.approx(e)
+
+
+def t64(x):
+    return torch.tensor(x, dtype=torch.float64) if x is not None else None
+
+
 @pytest.mark.parametrize("case", V["reward_to_go"])
 def test_reward_to_go(case):
     assert arco.reward_to_go(case["s"]) == pytest.approx(case["G"])
+    assert len(arco.reward_to_go(case["s"])) == len(case["G"])
 
 
 @pytest.mark.parametrize("case", V["step_buckets"])
@@ -22,8 +36,8 @@ def test_step_buckets(case):
 
 @pytest.mark.parametrize("case", V["bucketed_advantages"])
 def test_bucketed_advantages(case):
-    A = arco.bucketed_advantages(case["G"], case["buckets"], case["valid"], case["alpha"])
-    assert [a == pytest.approx(e) for a, e in zip(A, case["A"])] == [True] * len(A)
+    A = arco.bucketed_advantages(case["G"], case["buckets"], case["valid"], case["alpha"], case["singleton_fallback"])
+    approx_rows(A, case["A"])
 
 
 def test_bucket_baseline_is_per_bucket_not_global():
@@ -34,23 +48,44 @@ def test_bucket_baseline_is_per_bucket_not_global():
 
 @pytest.mark.parametrize("case", V["outcome_advantages"])
 def test_outcome_advantages(case):
-    assert arco.outcome_advantages(case["R"]) == pytest.approx(case["A"])
+    A = arco.outcome_advantages(case["R"], case["groups"])
+    assert len(A) == len(case["A"]) and A == pytest.approx(case["A"])
+
+
+@pytest.mark.parametrize("case", V["reduce_tokens"])
+def test_reduce_tokens(case):
+    out = arco.reduce_tokens(t64(case["per_token"]), torch.tensor(case["mask"]).bool(), case["how"])
+    assert out.tolist() == pytest.approx(case["out"]) and len(out) == len(case["out"])
 
 
 @pytest.mark.parametrize("case", V["policy_loss"])
 def test_policy_loss(case):
     logp = torch.tensor(case["logp"], dtype=torch.float64, requires_grad=True)
-    loss = arco.policy_loss(logp, torch.tensor(case["advantages"], dtype=torch.float64), case["n_trajectories"],
-                            torch.tensor(case["kl_tokens"], dtype=torch.float64), case["kl_coef"])
+    kl = torch.tensor(case["kl_per_step"], dtype=torch.float64, requires_grad=True)
+    loss = arco.policy_loss(logp, t64(case["advantages"]), case["n_trajectories"], kl, case["kl_coef"])
     loss.backward()
     assert float(loss.detach()) == pytest.approx(case["loss"])
     assert logp.grad.tolist() == pytest.approx(case["grad_logp"])
+    got_kl_grad = kl.grad.tolist() if kl.grad is not None else [0.0] * len(case["kl_per_step"])
+    assert got_kl_grad == pytest.approx(case["grad_kl_per_step"])     # the KL term carries gradient
+
+
+def test_policy_loss_micro_batches_add_up_to_the_batch():
+    c = V["policy_loss"][0]
+    logp, adv, kl = t64(c["logp"]), t64(c["advantages"]), t64(c["kl_per_step"])
+    parts = [arco.policy_loss(logp[i:j], adv[i:j], 2, kl[i:j], c["kl_coef"]) for i, j in ((0, 2), (2, 5))]
+    assert float(sum(parts)) == pytest.approx(c["loss"])
+
+
+@pytest.mark.parametrize("case", V["class_weights"])
+def test_class_weights(case):
+    assert arco.class_weights(case["R"]) == pytest.approx(case["w"])
 
 
 @pytest.mark.parametrize("case", V["decomposition_loss"])
 def test_decomposition_loss(case):
     s = torch.tensor(case["s"], dtype=torch.float64, requires_grad=True)
-    loss = arco.decomposition_loss(s, torch.tensor(case["trajectory"]), torch.tensor(case["R"], dtype=torch.float64))
+    loss = arco.decomposition_loss(s, torch.tensor(case["trajectory"]), t64(case["R"]), weights=t64(case["weights"]))
     loss.backward()
     assert float(loss.detach()) == pytest.approx(case["loss"])
     assert s.grad.tolist() == pytest.approx(case["grad_s"])
@@ -58,7 +93,48 @@ def test_decomposition_loss(case):
 
 @pytest.mark.parametrize("case", V["rubric_loss"])
 def test_rubric_loss(case):
-    loss = arco.rubric_loss(torch.tensor(case["s"], dtype=torch.float64), torch.tensor(case["trajectory"]),
-                            torch.tensor(case["R"], dtype=torch.float64),
-                            torch.tensor(case["kl_per_step"], dtype=torch.float64), case["beta"])
+    loss = arco.rubric_loss(t64(case["s"]), torch.tensor(case["trajectory"]), t64(case["R"]), t64(case["kl_per_step"]),
+                            case["beta"], case["kl_divisor"], weights=t64(case["weights"]))
     assert float(loss.detach()) == pytest.approx(case["loss"])
+
+
+# --------------------------------------------------------------------- arco.advantages, both phases
+def trajectory(qid, reward, steps):
+    """A stand-in for env.Trajectory: what arco.advantages reads."""
+    return SimpleNamespace(example=SimpleNamespace(dataset="synthetic", id=qid), reward=reward,
+                           steps=[SimpleNamespace(action=a, valid=ok) for a, ok in steps])
+
+
+def phase_args(**kw):
+    args = arco.Args(**{"alpha": 0.5, "bucket_fallback": False, "sparse_baseline": "group", **kw})
+    return arco.resolve_args(args)
+
+
+def test_sparse_advantages_group_and_batch_baselines_by_hand():
+    # Two questions × 2 samples; the second sample of q1 has an invalid (non-final) step.
+    trajs = [trajectory("q1", 1.0, [("search", True), ("finish", True)]),
+             trajectory("q1", 0.0, [("invalid", False), ("finish", True)]),
+             trajectory("q2", 0.0, [("finish", True)]),
+             trajectory("q2", 0.0, [("search", True), ("finish", True)])]
+    A, info = arco.advantages(trajs, None, False, phase_args(sparse_baseline="group"))
+    # q1's group mean 0.5: +0.5 / -0.5 on every valid step, 0 on the invalid one; q2's group mean 0: 0
+    assert A == [[0.5, 0.5], [0.0, -0.5], [0.0], [0.0, 0.0]] and info == {}
+    A, _ = arco.advantages(trajs, None, False, phase_args(sparse_baseline="batch"))
+    # batch mean 1/4: 0.75 for the success, -0.25 for the failures
+    approx_rows(A, [[0.75, 0.75], [0.0, -0.25], [-0.25], [-0.25, -0.25]])
+
+
+def test_dense_advantages_by_hand():
+    trajs = [trajectory("q1", 1.0, [("search", True), ("search", True), ("finish", True)]),
+             trajectory("q2", 0.0, [("invalid", False), ("search", True), ("finish", True)])]
+    s = torch.tensor([0.4, 0.4, 0.2, 4.6, 0.1, 0.3])
+    # G: [1.0, 0.6, 0.2] and [5.0, 0.4, 0.3]; the invalid step (G = 5.0) enters no bucket:
+    # search_1 (1.0 + 0.4)/2 = 0.7, search_2 0.6 alone, terminal (0.2 + 0.3)/2 = 0.25
+    A, info = arco.advantages(trajs, s, True, phase_args(alpha=1.0))
+    approx_rows(A, [[0.3, 0.0, -0.05], [0.0, -0.3, 0.05]])
+    approx_rows(info["G"], [[1.0, 0.6, 0.2], [5.0, 0.4, 0.3]])
+    assert info["buckets"] == [["search_1", "search_2", "terminal"], [None, "search_1", "terminal"]]
+    assert info["mean_G_per_bucket"] == pytest.approx({"search_1": 0.7, "search_2": 0.6, "terminal": 0.25})
+    # the release's fallback: search_2's one step takes the mean G of the 5 valid steps, 2.5/5 = 0.5
+    A, _ = arco.advantages(trajs, s, True, phase_args(alpha=1.0, bucket_fallback=True))
+    approx_rows(A, [[0.3, 0.1, -0.05], [0.0, -0.3, 0.05]])

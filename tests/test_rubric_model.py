@@ -486,3 +486,20 @@ def test_untrained_mu_writes_criteria_json_on_scripted_steps(smol):
     with torch.no_grad():
         scores = mu.score(contexts, rubrics)
     assert scores.d.shape == (len(contexts), 3) and scores.d.abs().max() <= 1.0
+
+
+def test_mu_sees_the_history_before_the_step_it_grades():
+    """μ's (q, h_t, a_t): h_t holds the steps before t, never a_t itself or its observation (the
+    release's RL rollouts build μ's prompt after the environment step, so there it does)."""
+    import env
+    ex = env.synthetic_examples(1, split="dev")[0]
+    script = iter([f"Search[{ex.paragraphs[0][0]}]", f"Finish[{ex.answer}]"])
+
+    class First:
+        def retrieve(self, examples, queries):
+            return [0] * len(queries)
+    traj = env.rollout([ex], lambda prompts: [next(script) for _ in prompts], First())[0]
+    first, second = rm.contexts_from_trajectory(traj)
+    assert (first.prefix, first.action, first.searches_left) == ("", f"Search[{ex.paragraphs[0][0]}]", 3)
+    assert second.prefix == f"Step 1: Search[{ex.paragraphs[0][0]}]\nObservation: {traj.steps[0].observation}"
+    assert second.action == f"Finish[{ex.answer}]" and "Finish" not in second.prefix and second.searches_left == 2

@@ -48,6 +48,26 @@ def test_rubric_sft_loss_by_hand():
     assert float(text) == 0.0 and float(loss) == pytest.approx(1.2)
 
 
+def test_rubric_sft_loss_release_reduction_by_hand():
+    # The release averages: text = (1.5 + 0.5 + 3.0 + 1.0) / 4 tokens = 1.5; score = the mean of the
+    # 2 steps × K = 2 squared errors (0.04, 0, 0.04, 0.16) = 0.06; 1.5 + 10 · 0.06 = 2.1
+    loss, text, score = warmup.rubric_sft_loss(FakeMu("adaptive"), ITEMS, lam=10.0, token_reduction="mean")
+    assert float(text) == pytest.approx(1.5) and float(score) == pytest.approx(0.06) and float(loss) == pytest.approx(2.1)
+
+
+def test_sft_schedule_is_a_three_percent_warmup_then_a_cosine():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = warmup.warmup_cosine(opt, total_steps=103)          # warmup: int(0.03 · 103) = 3 steps
+    lrs = []
+    for _ in range(104):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:4] == pytest.approx([2 / 3, 4 / 3, 2.0, 2.0])   # (step + 1) / 3, then the cosine from 1
+    assert lrs[53] == pytest.approx(1.0)                        # half way through the 100 decay steps: 0.5
+    assert lrs[103] == pytest.approx(0.0, abs=1e-12)
+
+
 
 
 def test_policy_and_rubric_sft_lower_their_losses(tiny_dir, tmp_path, retriever):
@@ -60,7 +80,8 @@ def test_policy_and_rubric_sft_lower_their_losses(tiny_dir, tmp_path, retriever)
     assert pi_examples and mu_items
 
     pi = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
-    losses = warmup.train_policy_sft(pi, pi_examples, epochs=4, lr=3e-2, batch_size=4, progress=False, micro_batch=2)
+    losses = warmup.train_policy_sft(pi, pi_examples, epochs=4, lr=3e-2, batch_size=4, progress=False,
+                                     micro_batch=2)["losses"]
     assert losses[-1] < losses[0]
     assert not hasattr(pi.model, "peft_config") and len(pi.merged) == 1     # merged after SFT
 
@@ -77,20 +98,54 @@ def test_policy_and_rubric_sft_lower_their_losses(tiny_dir, tmp_path, retriever)
         assert after[term] < before[term] and losses[-1] < losses[0], (lam, before, after, losses)
 
 
-def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path, data_dir):
+def test_pi_sft_keeps_the_epoch_with_the_best_dev_em(tiny_dir, tmp_path, retriever, monkeypatch):
+    """The release keeps π SFT's best dev-EM epoch (the earliest of a tie): here the evaluation is scripted
+    to rank epoch 2 first, and the merged π gives exactly epoch 2's log-probs."""
+    import env
+    examples = env.load_split("synthetic", "train", size=3, seed=0)
+    warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=1, K=3, progress=False)
+    pi_examples = warmup.policy_sft_examples(warmup.read_jsonl(tmp_path / "records.jsonl"))
+    pi = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
+    probe = (rm.chat_prompt_ids(pi.tokenizer, pi_examples[0]["messages"]), rm.encode_response(pi, pi_examples[0]["target"]))
+    seen = []
+
+    def fingerprint(policy):
+        with torch.no_grad():
+            return float(rm.sequence_logprobs(policy, [probe[0]], [probe[1]]).sums())
+
+    def scripted_eval(policy):
+        seen.append(fingerprint(policy))
+        em = {1: 10.0, 2: 30.0, 3: 30.0}[len(seen)]
+        return {"em": em, "f1": em}, [f"trajectories of epoch {len(seen)}"]
+    schedules = []
+    real_schedule = warmup.warmup_cosine
+    monkeypatch.setattr(warmup, "warmup_cosine", lambda *a, **k: schedules.append(real_schedule(*a, **k)) or schedules[-1])
+    out = warmup.train_policy_sft(pi, pi_examples, epochs=3, lr=3e-2, batch_size=4, progress=False,
+                                  evaluate=scripted_eval)
+    assert schedules[0].last_epoch == 3 * -(-len(pi_examples) // 4)      # one schedule step per optimizer step
+    assert out["best"]["epoch"] == 2 and out["best"]["trajectories"] == ["trajectories of epoch 2"]
+    assert [e["em"] for e in out["evals"]] == [10.0, 30.0, 30.0]
+    assert len(set(seen)) == 3                                           # the epochs differ
+    assert fingerprint(pi) == pytest.approx(seen[1], abs=1e-4)           # merged: epoch 2's weights
+
+
+def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
     out = tmp_path / "warmup"
     args = warmup.Args(dataset="synthetic", train_size=3, samples=2, eval_size=3, out_dir=str(out), model=str(tiny_dir),
-                       device="cpu", sft_epochs_pi=1, sft_epochs_mu=1, sft_batch_size=4, micro_batch=4,
+                       device="cpu", sft_epochs_pi=2, sft_epochs_mu=1, sft_batch_pi=4, sft_batch_mu=4, micro_batch=4,
                        max_new_tokens=8, probe_size=4, progress=False)
     warmup.run(args)
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics) >= {"base", "sft_only", "mu_sft_terms_before", "mu_sft_terms_after"}
-    assert metrics["base"]["n"] == 3 and 0 <= metrics["sft_only"]["em"] <= 100
+    assert metrics["base"]["n"] == 3 and len(metrics["pi_sft_dev_em_per_epoch"]) == 2
+    best = metrics["pi_sft_epoch"]
+    assert metrics["sft_only"]["em"] == metrics["pi_sft_dev_em_per_epoch"][best - 1] == \
+        max(metrics["pi_sft_dev_em_per_epoch"])
     pi, config = rm.load_backbone_checkpoint(out / "pi_sft", device="cpu")
     assert config["merged_adapters"] == 1 and config["adapter"] is None
     mu = rm.RubricModel.load(out / "mu_sft", device="cpu")
     assert mu.k == 3 and mu.rubric_mode == "adaptive"
     ctx = rm.StepContext("q?", "", "Search[x]", 3)
     with torch.no_grad():
-        s = mu.score([ctx], [mu.rubric_from_criteria(["a", "b", "c"])]).s
-    assert -1 <= float(s) <= 1
+        scores = mu.score([ctx], [mu.rubric_from_criteria(["a", "b", "c"])])
+    assert float(scores.s) == pytest.approx(float(scores.d.mean()))          # Eq. 2 after a reload
