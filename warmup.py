@@ -1162,15 +1162,23 @@ def policy_sft_loss(pi, batch: Sequence[tuple[list[int], list[int]]]):
     return -lp.logprobs.sum() / lp.mask.sum()
 
 
+def dev_rank(scores: dict) -> tuple:
+    """How two dev evaluations compare when a checkpoint is chosen (π SFT's epoch here, the RL epoch in
+    arco.select_checkpoint): dev EM (the paper's and the release's only key), then F1, then fewer invalid
+    steps; a full tie keeps the earlier epoch (as the release's strict `>` does). Our tie-breaks matter
+    only where EM ties, e.g. a tiny run where every epoch scores 0 EM: there the release keeps epoch 1."""
+    return scores["em"], scores["f1"], -scores.get("invalid_rate", 0.0)
+
+
 def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch_size: int = 8, seed: int = 0,
                      progress: bool = True, micro_batch: int = 4, weight_decay: float = 0.0,
                      evaluate: Callable | None = None) -> dict:
     """π warmup (App. B): a LoRA trained on (policy prompt → action), then merged into the weights.
 
     AdamW with a 3%-warmup cosine schedule (the release's). With `evaluate` (π → its dev scores), π is
-    evaluated after every epoch and the epoch with the best dev EM is kept (the release's choice; the
-    earliest wins a tie): App. B's "the selected policy checkpoint initializes π". Returns the mean
-    loss of each epoch, the evaluations, and the chosen epoch with its scores and trajectories.
+    evaluated after every epoch and the epoch with the best dev EM is kept (the release's choice), App.
+    B's "the selected policy checkpoint initializes π"; see dev_rank for ties. Returns the mean loss of
+    each epoch, the evaluations, and the chosen epoch with its scores and trajectories.
     """
     from tqdm import tqdm
     from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
@@ -1199,7 +1207,7 @@ def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch
             scores, trajs = evaluate(pi)
             evals.append(scores)
             line += f", dev EM {scores['em']:.1f} F1 {scores['f1']:.1f}"
-            if best is None or scores["em"] > best["scores"]["em"]:
+            if best is None or dev_rank(scores) > dev_rank(best["scores"]):
                 best = {"epoch": epoch + 1, "scores": scores, "trajectories": trajs,
                         "adapter": {k: v.detach().clone() for k, v in get_peft_model_state_dict(pi.model).items()}}
         print(line, flush=True)

@@ -108,3 +108,9 @@ def test_selection_ties_go_to_the_earlier_epoch():
 def test_selection_without_dense_epochs_takes_the_best_trained_epoch():
     history = [h(0, 30.0), h(1, 10.0), h(2, 20.0)]
     assert arco.select_checkpoint(history, sparse_epochs=2)["selected_epoch"] == 2
+
+
+def test_em_ties_are_broken_by_f1_then_by_fewer_invalid_steps():
+    history = [h(0, 0.0), {"epoch": 1, "em": 0.0, "f1": 2.0, "invalid_rate": 0.5},
+               {"epoch": 2, "em": 0.0, "f1": 2.0, "invalid_rate": 0.1}, {"epoch": 3, "em": 0.0, "f1": 1.0}]
+    assert arco.select_checkpoint(history, sparse_epochs=0)["selected_epoch"] == 2

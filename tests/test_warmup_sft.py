@@ -99,7 +99,7 @@ def test_policy_and_rubric_sft_lower_their_losses(tiny_dir, tmp_path, retriever)
 
 
 def test_pi_sft_keeps_the_epoch_with_the_best_dev_em(tiny_dir, tmp_path, retriever, monkeypatch):
-    """The release keeps π SFT's best dev-EM epoch (the earliest of a tie): here the evaluation is scripted
+    """π SFT keeps the best dev-EM epoch (EM ties: F1, then the earlier): here the evaluation is scripted
     to rank epoch 2 first, and the merged π gives exactly epoch 2's log-probs."""
     import env
     examples = env.load_split("synthetic", "train", size=3, seed=0)
@@ -115,8 +115,8 @@ def test_pi_sft_keeps_the_epoch_with_the_best_dev_em(tiny_dir, tmp_path, retriev
 
     def scripted_eval(policy):
         seen.append(fingerprint(policy))
-        em = {1: 10.0, 2: 30.0, 3: 30.0}[len(seen)]
-        return {"em": em, "f1": em}, [f"trajectories of epoch {len(seen)}"]
+        em, f1 = {1: (30.0, 30.0), 2: (30.0, 40.0), 3: (30.0, 40.0)}[len(seen)]   # EM ties: F1 decides, then
+        return {"em": em, "f1": f1}, [f"trajectories of epoch {len(seen)}"]     # the earlier epoch
     schedules = []
     real_schedule = warmup.warmup_cosine
     monkeypatch.setattr(warmup, "warmup_cosine", lambda *a, **k: schedules.append(real_schedule(*a, **k)) or schedules[-1])
@@ -124,7 +124,7 @@ def test_pi_sft_keeps_the_epoch_with_the_best_dev_em(tiny_dir, tmp_path, retriev
                                   evaluate=scripted_eval)
     assert schedules[0].last_epoch == 3 * -(-len(pi_examples) // 4)      # one schedule step per optimizer step
     assert out["best"]["epoch"] == 2 and out["best"]["trajectories"] == ["trajectories of epoch 2"]
-    assert [e["em"] for e in out["evals"]] == [10.0, 30.0, 30.0]
+    assert [e["f1"] for e in out["evals"]] == [30.0, 40.0, 40.0]
     assert len(set(seen)) == 3                                           # the epochs differ
     assert fingerprint(pi) == pytest.approx(seen[1], abs=1e-4)           # merged: epoch 2's weights
 
