@@ -1006,10 +1006,12 @@ def raw_generation_seconds(bb, n_prompts: int, prompt_len: int, new_tokens: int)
 
 def benchmark(args: Args) -> dict:
     """--benchmark: one dense iteration of Algorithm 1 (the costliest: every pass of both models runs)
-    at the run's preset, on a fixed batch of `batch_size` training questions × 1 sample, timed phase by
-    phase, each beside its raw rate measured in the same process on the same shapes (raw_rates).
-    The rollout is timed on every call; the trajectories the later phases use are the ones saved by
-    the first call (runs/<dataset>/benchmark/batch.jsonl), so every run processes the same inputs."""
+    at the run's preset on `batch_size` training questions × 1 sample, timed phase by phase, each beside
+    its raw rate measured in the same process on the same shapes (raw_rates). π's rollout of these
+    questions is timed on every call; the later phases all process one fixed batch, saved by the first
+    call in runs/<dataset>/benchmark/batch.jsonl: the oracle teacher's trajectories on the same questions
+    (gold and imperfect ones, warmup.oracle_script), which hold the valid Search/Finish steps of a policy
+    that works, whatever the preset's π does."""
     import resource
 
     import env
@@ -1032,11 +1034,13 @@ def benchmark(args: Args) -> dict:
         return out
 
     torch.manual_seed(args.seed)
-    fresh = timed("π rollout", lambda: env.rollout(questions, policy_act(pi, args.rollout_temperature,
+    rollout = timed("π rollout", lambda: env.rollout(questions, policy_act(pi, args.rollout_temperature,
                                                                            args.max_new_tokens_pi, args.gen_batch),
                                                     retriever, args.max_searches, args.obs_chars))
     if not (bench / "batch.jsonl").is_file():
-        save_batch(bench / "batch.jsonl", fresh)
+        import warmup
+        oracle = warmup.OracleTeacher(seed=args.seed, obs_chars=args.obs_chars)
+        save_batch(bench / "batch.jsonl", oracle.rollout([(q, i % 4) for i, q in enumerate(questions)], retriever)[0])
     trajs = load_batch(bench / "batch.jsonl", questions)
     from rubric_model import contexts_from_trajectory
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
@@ -1059,19 +1063,19 @@ def benchmark(args: Args) -> dict:
     n_pi, n_mu = sum(p + r for p, r in pi_items), sum(map(len, mu_ids))
     rate_pi = raw_rates(pi, args.micro_batch, mean([p + r for p, r in pi_items]), mean([r for _, r in pi_items]))
     rate_mu = raw_rates(mu.backbone, args.micro_batch, mean(list(map(len, mu_ids))), mean(mu_rubric))
-    all_steps = [st for t in trajs for st in t.steps]
-    gen_pi = raw_generation_seconds(pi, min(args.gen_batch, len(trajs)),
-                                    mean([len(chat_prompt_ids(pi.tokenizer, st.prompt)) for st in all_steps]),
-                                    mean([len(st.output_ids or []) for st in all_steps]))
+    rollout_steps = [st for t in rollout for st in t.steps]
+    rounds = max(len(t.steps) for t in rollout)
+    gen_pi = raw_generation_seconds(pi, min(args.gen_batch, len(rollout)),
+                                    mean([len(chat_prompt_ids(pi.tokenizer, st.prompt)) for st in rollout_steps]),
+                                    mean([len(st.output_ids or []) for st in rollout_steps]))
     gen_mu = raw_generation_seconds(mu.backbone, min(args.gen_batch, len(contexts)),
                                     mean([len(x) - n for x, n in zip(mu_ids, mu_rubric)]), mean(mu_rubric))
-    rounds = max(len(t.steps) for t in trajs)
     raw = {"π rollout": rounds * gen_pi,                                  # one generate call per round
            "μ rubric generation": math.ceil(len(contexts) / args.gen_batch) * gen_mu,
            "μ scoring": n_mu / rate_mu["hidden"],
            "π update": n_pi / rate_pi["train"] + (n_pi / rate_pi["forward"] if args.kl_pi_dense else 0.0),
            "μ update": n_mu / rate_mu["train"] + (n_mu / rate_mu["forward"] if args.kl_mu else 0.0)}
-    tokens = {"π rollout": sum(len(st.output_ids or []) for st in all_steps),
+    tokens = {"π rollout": sum(len(st.output_ids or []) for st in rollout_steps),
               "μ rubric generation": sum(mu_rubric), "μ scoring": n_mu, "π update": n_pi, "μ update": n_mu}
     total = sum(p["seconds"] for p in phases.values())
     lines = [f"loop benchmark: {args.dataset}, preset {args.preset}, one dense iteration on {len(trajs)} "
