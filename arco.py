@@ -130,8 +130,11 @@ class Args:
     max_new_tokens_mu: int | None = field(default=None, metadata={"help": "μ's max new tokens per rubric (128)"})
     max_searches: int | None = field(default=None, metadata={"help": "search budget (default: 3, MuSiQue 6)"})
     obs_chars: int | None = field(default=None, metadata={"help": "observation cut, characters (0 = the whole paragraph)"})
-    micro_batch: int | None = field(default=None, metadata={"help": "sequences per training forward pass (memory; "
-                                                                      "gradients are accumulated)"})
+    micro_batch: int | None = field(default=None, metadata={"help": "sequences per SFT forward pass (memory; gradients "
+                                                                      "are accumulated)"})
+    pass_tokens: int | None = field(default=None, metadata={"help": "most tokens in one training pass (memory): an update "
+                                                                    "is cut into passes; a trajectory longer than this "
+                                                                    "is recomputed in μ's backward (checkpointing)"})
     gen_batch: int | None = field(default=None, metadata={"help": "prompts per generation batch (π and μ)"})
     mu_examples: int | None = field(default=None, metadata={"help": "worked examples in μ's rubric prompt, 0-2 "
                                                                       "(~200 tokens per step each)"})
@@ -161,7 +164,7 @@ PRESETS = {
                   token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0, pi_lr_sparse=1e-5,
                   pi_lr_dense=3e-6, mu_lr=1e-5, head_lr=5e-4, kl_pi_sparse=0.0, kl_pi_dense=0.05, kl_mu=0.05,
                   alpha=0.5, weight_decay=0.01, max_new_tokens_pi=64, max_new_tokens_mu=128, obs_chars=0,
-                  micro_batch=16, gen_batch=64, mu_examples=0, warmup_size=1000, warmup_samples=3, warmup_probe=32,
+                  micro_batch=16, pass_tokens=8192, gen_batch=64, mu_examples=0, warmup_size=1000, warmup_samples=3, warmup_probe=32,
                   sft_epochs_pi=6, sft_epochs_mu=10, sft_lr_pi=1e-5, sft_lr_mu=5e-5, sft_head_lr=1e-3,
                   sft_batch_pi=64, sft_batch_mu=32),
     "cpu": dict(model="embedded", retriever="", retriever_pooling="mean", train_size=8, eval_size=20, epochs=2,
@@ -169,7 +172,7 @@ PRESETS = {
                 class_balance=True, token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0,
                 pi_lr_sparse=1e-4, pi_lr_dense=5e-5, mu_lr=1e-4, head_lr=1e-3, kl_pi_sparse=0.0, kl_pi_dense=0.05,
                 kl_mu=0.05, alpha=0.5, weight_decay=0.01, max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300,
-                micro_batch=2, gen_batch=16, mu_examples=0, warmup_size=8, warmup_samples=2, warmup_probe=8,
+                micro_batch=2, pass_tokens=1024, gen_batch=32, mu_examples=0, warmup_size=8, warmup_samples=2, warmup_probe=8,
                 sft_epochs_pi=3, sft_epochs_mu=2, sft_lr_pi=5e-4, sft_lr_mu=3e-4, sft_head_lr=1e-3,
                 sft_batch_pi=8, sft_batch_mu=8),
 }
@@ -444,10 +447,7 @@ def annotate(mu, trajs, args: Args) -> tuple[list, list, torch.Tensor, torch.Ten
     from rubric_model import contexts_from_trajectory
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
     mu.eval()
-    rubrics = mu.generate_rubrics(contexts, temperature=args.rubric_temperature,
-                                  max_new_tokens=args.max_new_tokens_mu, batch_size=args.gen_batch)
-    with torch.no_grad():
-        scores = mu.score(contexts, rubrics, batch_size=args.gen_batch)
+    rubrics, scores = mu.annotate(contexts, args.rubric_temperature, args.max_new_tokens_mu, args.gen_batch)
     return contexts, rubrics, scores.d.float().cpu(), scores.s.float().cpu()
 
 
@@ -485,65 +485,107 @@ def check_finite(name: str, value: float) -> None:
 
 
 def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_coef: float) -> dict:
-    """Alg. 1, lines 33–35: one gradient step on Eq. 3, accumulated over micro-batches."""
-    from rubric_model import chat_prompt_ids, encode_response, response_kl, sequence_logprobs
-    items = [(chat_prompt_ids(pi.tokenizer, st.prompt), st.output_ids or encode_response(pi, st.output), a)
-             for t, a_t in zip(trajs, A) for st, a in zip(t.steps, a_t) if st.valid]
+    """Alg. 1, lines 33–35: one gradient step on Eq. 3.
+
+    Plumbing: the steps' sequences share their beginnings (the system prompt across the batch, then a
+    question and a trajectory's history): the shared prompt is cached once (SharedPrefix) and the rest
+    is packed so that every shared token is computed once (rubric_model.pack); passes of at most
+    --pass-tokens tokens are backpropagated one by one (the terms of Eq. 3 add up).
+    """
+    from rubric_model import (SharedPrefix, chat_prompt_ids, encode_response, packed_steps, reference, reference_logq,
+                              token_passes)
+    steps = [(st, a) for t, a_t in zip(trajs, A) for st, a in zip(t.steps, a_t) if st.valid]     # V_τ
+    responses = [list(st.output_ids or encode_response(pi, st.output)) for st, _ in steps]
+    seqs = [chat_prompt_ids(pi.tokenizer, st.prompt) + r for (st, _), r in zip(steps, responses)]
+    lens = [len(r) for r in responses]
     pi.model.train()
     optimizer.zero_grad(set_to_none=True)
-    total, kl_sum, n_tokens = 0.0, 0.0, 0
-    for chunk in chunks(items, args.micro_batch):
-        prompts, responses = [p for p, _, _ in chunk], [r for _, r, _ in chunk]
-        lp = response_kl(pi, prompts, responses) if kl_coef else sequence_logprobs(pi, prompts, responses)
-        kl_step = reduce_tokens(lp.kl, lp.mask, args.token_reduction) if lp.kl is not None else None
-        adv = torch.tensor([a for _, _, a in chunk], dtype=torch.float32, device=lp.logprobs.device)
-        loss = policy_loss(lp.sums(), adv, len(trajs), kl_step, kl_coef)                 # Eq. 3
-        loss.backward()
-        total += float(loss.detach())
-        n_tokens += int(lp.mask.sum())
-        kl_sum += float((lp.kl * lp.mask).sum().detach()) if lp.kl is not None else 0.0
-    if items:
+    total, kl_sum = 0.0, 0.0
+    if steps:
+        root = SharedPrefix(pi, seqs, [n + 1 for n in lens], detach=True)
+        if kl_coef:
+            with torch.no_grad(), reference(pi):
+                ref_root = SharedPrefix(pi, seqs, [n + 1 for n in lens])
+        for (run,) in token_passes(seqs, args.pass_tokens, root.n):
+            sub, sub_lens = [seqs[i] for i in run], [lens[i] for i in run]
+            ref = reference_logq(pi, sub, sub_lens, ref_root) if kl_coef else None                  # π_ref
+            outs = packed_steps(pi, sub, sub_lens, root, ref)
+            kl_step = torch.stack([reduce_tokens(o.kl[None], torch.ones_like(o.kl[None]), args.token_reduction)[0]
+                                   for o in outs]) if kl_coef else None
+            adv = torch.tensor([steps[i][1] for i in run], device=outs[0].logprobs.device)
+            loss = policy_loss(torch.stack([o.logprobs.sum() for o in outs]), adv, len(trajs), kl_step, kl_coef)  # Eq. 3
+            loss.backward()
+            total += float(loss.detach())
+            kl_sum += sum(float(o.kl.detach().sum()) for o in outs) if kl_coef else 0.0
+        root.backward_prefix()
         check_finite("policy (Eq. 3)", total)
         torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
         optimizer.step()
     pi.model.eval()
-    return {"policy_loss": total, "kl_pi": kl_sum / max(n_tokens, 1), "policy_steps": len(items)}
+    return {"policy_loss": total, "kl_pi": kl_sum / max(sum(lens), 1), "policy_steps": len(steps)}
 
 
 def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
-    """Alg. 1, lines 36–38: one gradient step on Eq. 5, over micro-batches of whole trajectories."""
+    """Alg. 1, lines 36–38: one gradient step on Eq. 5, whose decomposition term couples the steps of a
+    trajectory: each pass holds whole trajectories.
+
+    Plumbing: as in policy_update, shared beginnings are computed once; a trajectory longer than
+    --pass-tokens alone is cut into parts whose activations are recomputed in the backward (gradient
+    checkpointing: the same numbers, less memory).
+    """
+    from torch.utils.checkpoint import checkpoint
+    from rubric_model import SharedPrefix, packed_steps, reference, reference_logq, token_passes
     n_traj, n_steps = len(trajs), len(contexts)
-    starts, at = [], 0
-    for t in trajs:
-        starts.append(at)
-        at += len(t.steps)
-    weights = torch.tensor(class_weights([t.reward for t in trajs]) if args.class_balance else [1.0] * n_traj)
+    weights = class_weights([t.reward for t in trajs]) if args.class_balance else [1.0] * n_traj
     kl_divisor = n_traj if args.token_reduction == "mean" else n_steps
     use_kl = bool(args.kl_mu) and mu.rubric_mode not in ("static", "none")
+    seqs = mu.scoring_ids(contexts, rubrics)
+    lens = [len(r.token_ids) if use_kl else 0 for r in rubrics]
+    of = [k for k, t in enumerate(trajs) for _ in t.steps]                 # the trajectory of each step
+    units, at = [], 0
+    for t in trajs:
+        units.append(list(range(at, at + len(t.steps))))
+        at += len(t.steps)
     mu.train()
     optimizer.zero_grad(set_to_none=True)
-    total, mse, kl_sum, n_tokens = 0.0, 0.0, 0.0, 0
-    per_chunk = max(1, args.micro_batch // max(1, max(len(t.steps) for t in trajs)))
-    for group in chunks(list(range(n_traj)), per_chunk):
-        idx = [starts[i] + j for i in group for j in range(len(trajs[i].steps))]
-        local = torch.tensor([k for k, i in enumerate(group) for _ in trajs[i].steps])
-        ctx, rub = [contexts[i] for i in idx], [rubrics[i] for i in idx]
-        R = torch.tensor([trajs[i].reward for i in group])
-        scores, rubric_lp = mu.forward(ctx, rub, text=False, kl=use_kl)             # one shared decoder pass
-        s = scores.s.float().cpu()
-        kl_step = reduce_tokens(rubric_lp.kl, rubric_lp.mask, args.token_reduction).float().cpu() if use_kl else None
-        loss = rubric_loss(s, local, R, kl_step, args.kl_mu, kl_divisor, n_traj, weights[group])   # Eq. 5
+    root = SharedPrefix(mu.backbone, seqs, [n + 1 for n in lens], detach=True)
+    if use_kl:
+        with torch.no_grad(), reference(mu.backbone):
+            ref_root = SharedPrefix(mu.backbone, seqs, [n + 1 for n in lens])
+
+    def part(idx):                       # one packed row: μ's pooled vectors and per-step KL terms
+        sub, sub_lens = [seqs[i] for i in idx], [lens[i] for i in idx]
+        ref = reference_logq(mu.backbone, sub, sub_lens, ref_root) if use_kl else None               # μ_ref
+        outs = packed_steps(mu.backbone, sub, sub_lens, root, ref)
+        kl = torch.stack([o.kl.sum() for o in outs]) if use_kl else torch.zeros(len(outs))       # Σ_i KL_i
+        if use_kl and args.token_reduction == "mean":
+            kl = kl / torch.tensor([max(1, n) for n in sub_lens], device=kl.device)               # mean_i KL_i
+        return torch.stack([o.hidden_sum / o.length for o in outs]), kl
+    total, mse, kl_sum = 0.0, 0.0, 0.0
+    for parts in token_passes(seqs, args.pass_tokens, root.n, units):
+        res = [part(p) for p in parts] if len(parts) == 1 else \
+            [checkpoint(part, p, use_reentrant=False) for p in parts]
+        idx = [i for p in parts for i in p]
+        d = mu.head(torch.cat([pooled for pooled, _ in res]))                                          # Eq. 2
+        s = d.mean(-1).float().cpu()
+        kl_step = torch.cat([kl for _, kl in res]).float().cpu() if use_kl else None
+        members = sorted({of[i] for i in idx})
+        local = torch.tensor([members.index(of[i]) for i in idx])
+        R = torch.tensor([trajs[k].reward for k in members])
+        w = torch.tensor([weights[k] for k in members])
+        loss = rubric_loss(s, local, R, kl_step, args.kl_mu, kl_divisor, n_traj, w)                    # Eq. 5
         loss.backward()
         total += float(loss.detach())
         mse += float(decomposition_loss(s.detach(), local, R, n_traj))
-        if use_kl:
-            kl_sum += float((rubric_lp.kl * rubric_lp.mask).sum().detach())
-            n_tokens += int(rubric_lp.mask.sum())
+        if use_kl:        # for the log: the mean per-token KL
+            sums = kl_step.detach() * (torch.tensor([max(1, lens[i]) for i in idx]) if args.token_reduction == "mean" else 1)
+            kl_sum += float(sums.sum())
+    root.backward_prefix()
     check_finite("rubric-model (Eq. 5)", total)
     torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
     optimizer.step()
     mu.eval()
-    return {"rubric_loss": total, "decomposition_mse": mse, "kl_mu": kl_sum / max(n_tokens, 1)}
+    return {"rubric_loss": total, "decomposition_mse": mse, "kl_mu": kl_sum / max(sum(lens), 1)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -1044,12 +1086,8 @@ def benchmark(args: Args) -> dict:
     trajs = load_batch(bench / "batch.jsonl", questions)
     from rubric_model import contexts_from_trajectory
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
-    mu.eval()
-    rubrics = timed("μ rubric generation", lambda: mu.generate_rubrics(
-        contexts, temperature=args.rubric_temperature, max_new_tokens=args.max_new_tokens_mu, batch_size=args.gen_batch))
-    with torch.no_grad():
-        scores = timed("μ scoring", lambda: mu.score(contexts, rubrics, batch_size=args.gen_batch))
-    A, _ = advantages(trajs, scores.s.float().cpu(), True, args)
+    _, rubrics, _, s = timed("μ rubrics + scores", lambda: annotate(mu, trajs, args))
+    A, _ = advantages(trajs, s, True, args)
     timed("π update", lambda: policy_update(pi, opt_pi, trajs, A, args, args.kl_pi_dense))
     timed("μ update", lambda: rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
@@ -1071,12 +1109,12 @@ def benchmark(args: Args) -> dict:
     gen_mu = raw_generation_seconds(mu.backbone, min(args.gen_batch, len(contexts)),
                                     mean([len(x) - n for x, n in zip(mu_ids, mu_rubric)]), mean(mu_rubric))
     raw = {"π rollout": rounds * gen_pi,                                  # one generate call per round
-           "μ rubric generation": math.ceil(len(contexts) / args.gen_batch) * gen_mu,
-           "μ scoring": n_mu / rate_mu["hidden"],
+           "μ rubrics + scores": math.ceil(len(contexts) / args.gen_batch) * gen_mu    # greedy: scores come
+           + (n_mu / rate_mu["hidden"] if args.rubric_temperature else 0.0),          # with the generation
            "π update": n_pi / rate_pi["train"] + (n_pi / rate_pi["forward"] if args.kl_pi_dense else 0.0),
            "μ update": n_mu / rate_mu["train"] + (n_mu / rate_mu["forward"] if args.kl_mu else 0.0)}
     tokens = {"π rollout": sum(len(st.output_ids or []) for st in rollout_steps),
-              "μ rubric generation": sum(mu_rubric), "μ scoring": n_mu, "π update": n_pi, "μ update": n_mu}
+              "μ rubrics + scores": sum(mu_rubric), "π update": n_pi, "μ update": n_mu}
     total = sum(p["seconds"] for p in phases.values())
     lines = [f"loop benchmark: {args.dataset}, preset {args.preset}, one dense iteration on {len(trajs)} "
              f"trajectories ({len(contexts)} steps), {torch.get_num_threads()} threads",

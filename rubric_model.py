@@ -27,6 +27,7 @@ What lives here, top to bottom:
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -38,7 +39,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -370,46 +371,18 @@ def _length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-@torch.no_grad()
 def generate(bb: Backbone, prompts: Sequence[list[dict] | list[int]], max_new_tokens: int = 64,
              temperature: float = 0.7, batch_size: int = 16) -> list[Generation]:
-    """Batched sampling (temperature > 0) or greedy decoding (temperature 0), left-padded,
-    with KV cache, stopping each row at its end-of-turn token.
+    """Batched sampling (temperature > 0) or greedy decoding (temperature 0) of chat replies,
+    stopping each row at its end-of-turn token (`decode`).
 
-    `prompts` are chat message lists (the chat template is applied here) or token ids.
-    Sampling is plain temperature sampling (no top-k / top-p, whatever the model's own
-    generation config says), so the sampled tokens follow exactly the p_θ whose log-probs
-    the losses use. Rows are batched by length; the output keeps the input order.
+    `prompts` are chat message lists (the chat template is applied here) or token ids. Sampling is
+    plain temperature sampling (no top-k / top-p, whatever the model's own generation config says),
+    so the sampled tokens follow exactly the softmax(logits / T) of the p_θ whose log-probs the losses
+    use. Rows are batched by length; the output keeps the input order.
     """
-    from transformers import GenerationConfig
     ids = [list(p) if p and isinstance(p[0], int) else chat_prompt_ids(bb.tokenizer, p) for p in prompts]
-    stops = end_of_turn_ids(bb)
-    pad = bb.tokenizer.pad_token_id
-    # Every knob set explicitly: unset ones would be filled from the model's generation config
-    # (e.g. Qwen3's top_k 20, top_p 0.8) and then from transformers' defaults (top_k 50).
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0) \
-        if temperature > 0 else dict(do_sample=False)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, repetition_penalty=1.0, eos_token_id=stops,
-                              pad_token_id=pad, **sampling)
-    out: list[Generation | None] = [None] * len(ids)
-    was_training = bb.model.training
-    bb.model.eval()                             # no LoRA dropout while sampling
-    try:
-        for batch in _length_batches([len(x) for x in ids], batch_size):
-            width = max(len(ids[i]) for i in batch)
-            input_ids = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in batch], device=bb.device)
-            mask = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in batch], device=bb.device)
-            with bb.autocast():
-                seqs = bb.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
-            for row, i in enumerate(batch):
-                new = seqs[row, width:].tolist()
-                cut = next((j + 1 for j, t in enumerate(new) if t in stops), len(new))
-                new = new[:cut]
-                text = bb.tokenizer.decode(new, skip_special_tokens=True).strip()
-                out[i] = Generation(text, new, ids[i])
-    finally:
-        bb.model.train(was_training)
-    return out
+    return [g for g, _ in decode(bb, ids, max_new_tokens, temperature, batch_size)]
 
 
 # ----------------------------------------------------------------------------------------
@@ -520,6 +493,373 @@ def response_kl(bb: Backbone, prompt_ids: Sequence[Sequence[int]],
     token (Eq. 3's π_ref term, Eq. 5's μ_ref term), p_ref = the backbone with its adapter disabled."""
     current = sequence_logprobs(bb, prompt_ids, response_ids, return_logits=True)
     return with_kl(bb, current, prompt_ids, response_ids)
+
+
+# ----------------------------------------------------------------------------------------
+# 4b. Sequences that share a prefix: computed once, its keys and values reused
+# ----------------------------------------------------------------------------------------
+# The passes of one trajectory start alike: π's prompts share the system prompt and the question,
+# μ's also the "Steps so far" header, and every prompt of a batch shares the system prompt. A causal
+# model gives the prefix the same hidden states in every sequence, so the prefix is run once and its
+# keys/values are given to each sequence's remainder (exact up to floating-point rounding, tested).
+# Training runs each remainder alone (batch 1, no padding); generation runs the remainders as one
+# batch, padded between the prefix and the text.
+
+def common_prefix_length(seqs: Sequence[Sequence[int]], limit: int) -> int:
+    """How many leading tokens all `seqs` share, at most `limit`."""
+    first, n = seqs[0], 0
+    while n < limit and all(len(s) > n and s[n] == first[n] for s in seqs):
+        n += 1
+    return n
+
+
+def _cache(bb: Backbone, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: int = 1, growing: bool = False):
+    """A fresh transformers cache holding the prefix's keys/values (repeated for `rows` sequences);
+    `growing` for decoding (see _GrowingLayer)."""
+    from transformers import DynamicCache
+    cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv] or None, config=bb.model.config)
+    if rows > 1:
+        cache.batch_repeat_interleave(rows)
+    if growing:
+        for layer in cache.layers:
+            layer.__class__ = _growing_layer_class()
+    return cache
+
+
+@functools.cache
+def _growing_layer_class():
+    """A transformers DynamicLayer that writes each step's keys/values into spare room at the end of
+    its buffers instead of concatenating: concatenation copies the whole cache at every decoding
+    step, which was half of the decoding time on a 2-core CPU (profiled)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class _GrowingLayer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n, m = self.get_seq_length(), key_states.shape[-2]
+            room = getattr(self, "room", None)
+            if room is None or room[0].data_ptr() != self.keys.data_ptr() or room[0].shape[-2] < n + m \
+                    or room[0].shape[0] != key_states.shape[0]:
+                shape = list(key_states.shape)
+                shape[-2] = n + m + 64
+                room = (key_states.new_empty(shape), value_states.new_empty(shape))
+                if n:
+                    room[0][..., :n, :] = self.keys
+                    room[1][..., :n, :] = self.values
+                self.room = room
+            room[0][..., n:n + m, :] = key_states
+            room[1][..., n:n + m, :] = value_states
+            self.keys, self.values = room[0][..., :n + m, :], room[1][..., :n + m, :]
+            return self.keys, self.values
+    return _GrowingLayer
+
+
+class SharedPrefix:
+    """A group of token sequences whose longest common prefix is run through the decoder once.
+
+    `keep[i]` tokens at the end of sequence i stay out of the prefix (the positions a loss reads
+    must be computed with the remainder). `hidden_sum` is Σ of the prefix's last hidden states (for
+    mean pooling, Eq. 2). A `parent` is a SharedPrefix of a larger group these sequences belong to
+    (e.g. a whole batch, sharing the system prompt): this prefix continues it. With `detach`, the
+    sequences see the prefix through detached leaves whose gradients `backward_prefix` sends through
+    the prefix once: a loss can then be backpropagated group by group, or sequence by sequence,
+    without repeating the prefix's backward.
+    """
+
+    def __init__(self, bb: Backbone, seqs: Sequence[Sequence[int]], keep: Sequence[int], detach: bool = False,
+                 parent: "SharedPrefix | None" = None):
+        self.bb, self.seqs = bb, [list(s) for s in seqs]
+        self.n = common_prefix_length(self.seqs, min(len(s) - k for s, k in zip(self.seqs, keep)))
+        start = parent.n if parent else 0
+        kv, hidden_sum = (parent.kv, parent.hidden_sum) if parent else ([], None)
+        self._graph = None
+        if self.n > start:
+            kwargs = {}
+            if start:
+                kwargs = {"cache": _cache(bb, kv), "position_ids": torch.arange(start, self.n, device=bb.device)[None]}
+            with bb.autocast():
+                out = bb.model.get_decoder()(input_ids=torch.tensor([self.seqs[0][start:self.n]], device=bb.device),
+                                             use_cache=True, **kwargs)
+            kv = [(layer.keys, layer.values) for layer in out.cache.layers]
+            own = out.last_hidden_state[0].float().sum(0)
+            hidden_sum = own + hidden_sum if start else own
+            if detach and torch.is_grad_enabled():
+                self._graph = [t for pair in kv for t in pair] + [hidden_sum]
+                kv = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
+                hidden_sum = hidden_sum.detach().requires_grad_()
+        self.kv, self.hidden_sum = kv, hidden_sum
+
+    def backward_prefix(self) -> None:
+        """With `detach`: the gradients gathered on the prefix's leaves, through the prefix, once (and on
+        into its parent's leaves)."""
+        if self._graph is None:
+            return
+        leaves = [t for pair in self.kv for t in pair] + [self.hidden_sum]
+        pairs = [(g, leaf.grad) for g, leaf in zip(self._graph, leaves) if leaf.grad is not None and g.requires_grad]
+        if pairs:
+            torch.autograd.backward([g for g, _ in pairs], [d for _, d in pairs])
+        self._graph = None
+
+
+@dataclass
+class Packed:
+    """Sequences that share beginnings, packed into one row for one decoder pass: a token that several
+    sequences hold at the same place (a system prompt, a question, a trajectory's history so far) is
+    computed once, and each token attends to exactly the tokens before it in its own sequences (a
+    tree-shaped attention mask). Exact: the same hidden states as one pass per sequence, up to
+    floating-point rounding (tested)."""
+    ids: list[int]                   # every shared beginning once, depth-first
+    positions: list[int]             # each token's position in its sequences
+    allow: torch.Tensor              # [L, L] bool: token q attends to token k
+    paths: list[list[int]]           # per sequence: the packed index of each of its tokens after `start`
+
+
+def pack(seqs: Sequence[Sequence[int]], start: int = 0) -> Packed:
+    """The prefix tree of `seqs` from position `start` on (the tokens before it: a SharedPrefix's cache)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    segments: list[tuple[int, int, int]] = []          # (first, end, parent segment) in the packed row
+    paths: list[list[int]] = [[] for _ in seqs]
+
+    def visit(idx, depth, parent):
+        n = depth
+        while all(len(seqs[i]) > n for i in idx) and len({seqs[i][n] for i in idx}) == 1:
+            n += 1
+        first = len(ids)
+        ids.extend(seqs[idx[0]][depth:n])
+        positions.extend(range(depth, n))
+        segments.append((first, len(ids), parent))
+        me = len(segments) - 1
+        for i in idx:
+            paths[i].extend(range(first, len(ids)))
+        below: dict[int, list[int]] = {}
+        for i in idx:
+            if len(seqs[i]) > n:
+                below.setdefault(seqs[i][n], []).append(i)
+        for sub in below.values():
+            visit(sub, n, me)
+    visit(list(range(len(seqs))), start, -1)
+    allow = torch.zeros(len(ids), len(ids), dtype=torch.bool)
+    above = torch.zeros(len(segments), len(ids), dtype=torch.bool)     # the tokens of a segment's ancestors
+    for k, (first, end, parent) in enumerate(segments):
+        if parent >= 0:
+            above[k] = above[parent]
+            above[k, segments[parent][0]:segments[parent][1]] = True
+        allow[first:end] = above[k]
+        allow[first:end, first:end] = torch.ones(end - first, end - first, dtype=torch.bool).tril()
+    return Packed(ids, positions, allow, paths)
+
+
+def packed_hidden(bb: Backbone, packed: Packed, root: SharedPrefix | None = None) -> torch.Tensor:
+    """One decoder pass over a packed row (after `root`'s cached prefix): last hidden states [L, H]."""
+    n = root.n if root else 0
+    mask = torch.ones(len(packed.ids), n + len(packed.ids), dtype=torch.bool)
+    mask[:, n:] = packed.allow
+    kwargs = {"cache": _cache(bb, root.kv), "use_cache": True} if n else {}
+    with bb.autocast():
+        return bb.model.get_decoder()(input_ids=torch.tensor([packed.ids], device=bb.device),
+                                      position_ids=torch.tensor([packed.positions], device=bb.device),
+                                      attention_mask=mask[None, None].to(bb.device), **kwargs).last_hidden_state[0]
+
+
+@dataclass
+class StepPass:
+    """What a loss needs from one sequence (prompt + response)."""
+    hidden_sum: torch.Tensor              # [H] Σ of the last hidden states over all positions (fp32)
+    length: int                           # tokens in the sequence
+    logprobs: torch.Tensor                # [R] log p(response token | before it)
+    kl: torch.Tensor | None = None        # [R] KL(p_θ ‖ p_ref) per response token, when ref_logq is given
+
+
+def packed_steps(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Sequence[int],
+                 root: SharedPrefix | None = None, ref_logq: Sequence[torch.Tensor] | None = None) -> list[StepPass]:
+    """One packed pass (`pack`) over sequences that continue `root`: for each, the sum of its last
+    hidden states (mean pooling, Eq. 2), the log-probs of its last `response_lens[i]` tokens (the LM
+    head on those positions only) and, given the reference's log-softmax there, the per-token
+    KL(p_θ ‖ p_ref) of Eq. 3 / Eq. 5 (token_kl's direction)."""
+    n = root.n if root else 0
+    packed = pack(seqs, n)
+    h = packed_hidden(bb, packed, root)
+    outs = []
+    for i, (seq, r) in enumerate(zip(seqs, response_lens)):
+        hp = h[torch.tensor(packed.paths[i], device=h.device)]
+        total = hp.float().sum(0) + (root.hidden_sum if n else 0.0)
+        logq = torch.log_softmax(_lm_head(bb, hp[len(seq) - r - 1 - n:len(seq) - 1 - n]).float(), -1)
+        target = torch.tensor(seq[len(seq) - r:], device=h.device)
+        logprobs = logq.gather(-1, target[:, None])[:, 0]
+        kl = (logq.exp() * (logq - ref_logq[i])).sum(-1) if ref_logq is not None else None
+        outs.append(StepPass(total, len(seq), logprobs, kl))
+    return outs
+
+
+def _lm_head(bb: Backbone, hidden: torch.Tensor) -> torch.Tensor:
+    with bb.autocast():
+        return bb.model.get_output_embeddings()(hidden).float()
+
+
+@torch.no_grad()
+def reference_logq(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Sequence[int],
+                   root: SharedPrefix | None = None) -> list[torch.Tensor]:
+    """log p_ref over the vocabulary at each response position of each sequence ([R, V] each), p_ref =
+    the backbone with its adapter disabled (π_ref, μ_ref): the no-grad side of the KL of Eq. 3 / Eq. 5.
+    `root`: a SharedPrefix made under reference(bb) too."""
+    n = root.n if root else 0
+    with reference(bb):
+        packed = pack(seqs, n)
+        h = packed_hidden(bb, packed, root)
+        return [torch.log_softmax(_lm_head(bb, h[torch.tensor(packed.paths[i][len(s) - r - 1 - n:len(s) - 1 - n],
+                                                               device=h.device)]), -1)
+                for i, (s, r) in enumerate(zip(seqs, response_lens))]
+
+
+def token_passes(seqs: Sequence[Sequence[int]], budget: int, start: int = 0,
+                 units: Sequence[Sequence[int]] | None = None) -> list[list[list[int]]]:
+    """Cut a batch into training passes whose packed rows (`pack`) hold at most `budget` tokens: memory.
+
+    `units` (default: each sequence alone) are index lists kept in one pass, such as the steps of a
+    trajectory, which Eq. 5 couples. Returns the passes in order; a pass is a list of parts, each part
+    one packed row; a pass has several parts only when one unit alone exceeds the budget (its parts
+    are then recomputed in the backward, gradient checkpointing)."""
+    size = lambda idx: len(pack([seqs[i] for i in idx], start).ids)     # noqa: E731
+    passes: list[list[list[int]]] = []
+    for unit in (units if units is not None else [[i] for i in range(len(seqs))]):
+        unit = list(unit)
+        if passes and len(passes[-1]) == 1 and size(passes[-1][0] + unit) <= budget:
+            passes[-1][0] += unit
+        elif size(unit) <= budget or len(unit) == 1:
+            passes.append([unit])
+        else:
+            parts: list[list[int]] = []
+            for i in unit:
+                if parts and size(parts[-1] + [i]) <= budget:
+                    parts[-1].append(i)
+                else:
+                    parts.append([i])
+            passes.append(parts)
+    return passes
+
+
+PREFILL_TOKENS = 1024      # the longest packed row of a prefill (its attention costs the square of it)
+
+
+def _prefill(bb: Backbone, seqs: Sequence[Sequence[int]]):
+    """The prompts of a decoding batch: their common prefix once (SharedPrefix), the rest packed so that
+    every shared token is computed once (`pack`, rows of at most PREFILL_TOKENS), then each prompt's keys
+    and values gathered into one batch cache, right-padded between the prompt and what is generated.
+    Returns the cache, its attention mask [B, width], the sums of the prompts' last hidden states and
+    the hidden state of each prompt's last token."""
+    root = SharedPrefix(bb, seqs, [1] * len(seqs))
+    n, dev = root.n, bb.device
+    width = max(len(q) for q in seqs) - n
+    layers = len(bb.model.get_decoder().layers)
+    keys = [[None] * len(seqs) for _ in range(layers)]
+    values = [[None] * len(seqs) for _ in range(layers)]
+    sums, last = [None] * len(seqs), [None] * len(seqs)
+    for (run,) in token_passes(seqs, PREFILL_TOKENS, n):
+        packed = pack([seqs[i] for i in run], n)
+        kv_n = len(packed.ids)
+        mask = torch.ones(kv_n, n + kv_n, dtype=torch.bool)
+        mask[:, n:] = packed.allow
+        with bb.autocast():
+            res = bb.model.get_decoder()(input_ids=torch.tensor([packed.ids], device=dev), use_cache=True,
+                                         position_ids=torch.tensor([packed.positions], device=dev),
+                                         attention_mask=mask[None, None].to(dev), **({"cache": _cache(bb, root.kv)}
+                                                                                   if n else {}))
+        h = res.last_hidden_state[0].float()
+        for j, i in enumerate(run):
+            path = torch.tensor(packed.paths[j], device=dev)
+            sums[i] = h[path].sum(0) + (root.hidden_sum if n else 0.0)
+            last[i] = h[path[-1]]
+            for layer, cached in enumerate(res.cache.layers):
+                keys[layer][i] = cached.keys[0, :, n:][:, path]
+                values[layer][i] = cached.values[0, :, n:][:, path]
+
+    def padded(parts):                   # [B, heads, n + width, head_dim]: prefix, the row, padding
+        rows = torch.stack([torch.nn.functional.pad(p, (0, 0, 0, width - p.shape[1])) for p in parts])
+        return rows
+    kv = []
+    for layer in range(layers):
+        k, v = padded(keys[layer]), padded(values[layer])
+        if n:
+            k = torch.cat([root.kv[layer][0].expand(len(seqs), -1, -1, -1), k], 2)
+            v = torch.cat([root.kv[layer][1].expand(len(seqs), -1, -1, -1), v], 2)
+        kv.append((k, v))
+    mask = torch.tensor([[1] * (len(q)) + [0] * (width + n - len(q)) for q in seqs], device=dev)
+    return _cache(bb, kv, growing=True), mask, torch.stack(sums), torch.stack(last)
+
+
+@torch.no_grad()
+def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+           batch_size: int = 16, close: Callable[[list[int]], bool] | None = None,
+           hidden: bool = False) -> list[tuple[Generation, torch.Tensor | None]]:
+    """Batched decoding with a KV cache, the batch's common prefix run once (SharedPrefix).
+
+    Greedy (temperature 0): a row leaves the batch when it is done — at an end-of-turn token, at
+    max_new_tokens, or, with `close`, when close(its new ids) says the reply is complete (the
+    end-of-turn token is then written next, as a trained model does). With `hidden` every token is fed
+    once, so the mean of the last hidden states over prompt + reply (μ's pooled vector, Eq. 2) comes
+    with the text: a score pass for free. Sampling (temperature > 0) draws as transformers' generate
+    does — softmax(logits / T) in fp32, torch.multinomial over the whole batch at every step, finished
+    rows kept — so a seed gives the same tokens (up to floating-point rounding). Returns
+    (Generation, mean hidden [H] or None) per prompt, in the input order.
+    """
+    stops = end_of_turn_ids(bb)
+    eot = next((t for t in stops if t == bb.tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKENS[0])), stops[0])
+    sample = temperature > 0
+    out: list = [None] * len(prompts)
+    was_training = bb.model.training
+    bb.model.eval()                                 # no LoRA dropout while decoding
+    decoder = bb.model.get_decoder()
+    dev = bb.device
+    try:
+        for batch in _length_batches([len(p) for p in prompts], batch_size):
+            seqs = [list(prompts[i]) for i in batch]
+            cache, mask, sums, h_last = _prefill(bb, seqs)
+            last = torch.tensor([len(q) - 1 for q in seqs], device=dev)
+            new: list[list[int]] = [[] for _ in seqs]
+            rows = list(range(len(seqs)))            # the rows in the cache, in order
+            alive = list(rows)                       # the rows still writing
+            while True:
+                logits = _lm_head(bb, h_last)
+                if sample:                           # transformers' sampling: every row of the batch draws
+                    pick = torch.multinomial(torch.softmax(logits / temperature, -1), 1)[:, 0].tolist()
+                else:
+                    pick = logits.argmax(-1).tolist()
+                for row, tok in zip(rows, pick):
+                    if row in alive:
+                        new[row].append(eot if close is not None and new[row] and close(new[row]) else tok)
+                ended = [row for row in alive if new[row][-1] in stops or len(new[row]) >= max_new_tokens]
+                writing = set(alive)                 # rows whose newest token is fed next (for `hidden`)
+                alive = [row for row in alive if row not in ended]
+                if sample:
+                    feed = rows if alive else []     # the whole batch draws until every row is done
+                else:                                # `hidden`: a row's last token is fed once more
+                    feed = [row for row in rows if row in alive or (hidden and row in ended)]
+                if not feed:
+                    break
+                if feed != rows:
+                    keep = torch.tensor([rows.index(r) for r in feed], device=dev)
+                    cache.batch_select_indices(keep)
+                    mask, last = mask[keep], last[keep]
+                    rows = feed
+                last = last + 1
+                mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long, device=dev)], 1)
+                tokens = torch.tensor([new[r][-1] for r in rows], device=dev)[:, None]
+                with bb.autocast():
+                    res = decoder(input_ids=tokens, attention_mask=mask, position_ids=last[:, None], cache=cache,
+                                  use_cache=True)
+                cache, h_last = res.cache, res.last_hidden_state[:, -1].float()
+                if hidden:
+                    fresh = [k for k, r in enumerate(rows) if r in writing]
+                    sums[torch.tensor([rows[k] for k in fresh], device=dev)] += h_last[fresh]
+            for row, i in enumerate(batch):
+                text = bb.tokenizer.decode(new[row], skip_special_tokens=True).strip()
+                mean = sums[row] / (len(seqs[row]) + len(new[row])) if hidden else None
+                out[i] = (Generation(text, new[row], seqs[row]), mean)
+    finally:
+        bb.model.train(was_training)
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -777,21 +1117,43 @@ class RubricModel:
 
     # -- LM head: r_t ~ p_θ(· | q, h_t, a_t) -----------------------------------------------
     def generate_rubrics(self, contexts: Sequence[StepContext], temperature: float = 0.7,
-                         max_new_tokens: int = 128, batch_size: int = 16) -> list[Rubric]:
+                         max_new_tokens: int = 128, batch_size: int = 16):
         """Alg. 1, line 16: one rubric of K criteria per step. 'static' returns the fixed
-        criteria and 'none' an empty rubric, both without generating."""
-        if self.rubric_mode == "static":
-            return [self.rubric_from_criteria(self.static_criteria) for _ in contexts]
-        if self.rubric_mode == "none":
-            return [self.rubric_from_criteria([]) for _ in contexts]
-        gens = generate(self.backbone, [self.prompt_ids(c) for c in contexts], max_new_tokens=max_new_tokens,
-                        temperature=temperature, batch_size=batch_size)
+        criteria and 'none' an empty rubric, both without generating. A rubric ends where its JSON
+        list closes (the end-of-turn token follows, as μ's SFT taught it): what a small μ may write
+        after the list is not part of r_t and is not scored."""
+        return self.annotate(contexts, temperature, max_new_tokens, batch_size, scores=False)[0]
+
+    def _closed(self, ids: list[int]) -> bool:
+        """Does the reply so far complete the JSON list (`decode`'s `close`)?"""
+        tok = self.backbone.tokenizer
+        return "]" in tok.decode(ids[-1:]) and \
+            _json_criteria(RUBRIC_OPENING + tok.decode(ids, skip_special_tokens=True)) is not None
+
+    @torch.no_grad()
+    def annotate(self, contexts: Sequence[StepContext], temperature: float = 0.7, max_new_tokens: int = 128,
+                 batch_size: int = 16, scores: bool = True) -> tuple[list[Rubric], StepScores | None]:
+        """Alg. 1, lines 16–19: r_t for every step, and d_t, s_t (Eq. 2). Greedy rubrics are scored from
+        the hidden states the generation computes anyway (every rubric token is fed once more), which
+        equals a separate score pass over (q, h_t, a_t, r_t) up to floating-point rounding (tested)."""
+        if self.rubric_mode in ("static", "none"):
+            rubrics = [self.rubric_from_criteria(self.static_criteria if self.rubric_mode == "static" else [])
+                       for _ in contexts]
+            return rubrics, (self.score(contexts, rubrics, batch_size) if scores else None)
+        hidden = scores and temperature == 0
+        outs = decode(self.backbone, [self.prompt_ids(c) for c in contexts], max_new_tokens, temperature,
+                      batch_size, close=self._closed, hidden=hidden)
         rubrics = []
-        for g in gens:
+        for g, _ in outs:
             text = RUBRIC_OPENING + self.backbone.tokenizer.decode(g.token_ids, skip_special_tokens=True)
             criteria, parsed, n = parse_criteria(text, self.k)
             rubrics.append(Rubric(text, criteria, parsed, n, g.token_ids))
-        return rubrics
+        if not scores:
+            return rubrics, None
+        if not hidden:                                   # sampled rubrics: a score pass of their own
+            return rubrics, self.score(contexts, rubrics, batch_size)
+        d = self.head(torch.stack([mean for _, mean in outs])) if outs else torch.zeros((0, self.k))
+        return rubrics, StepScores(d, d.mean(-1))                                # Eq. 2
 
     # -- score head: d_t = g_φ(mean-pool(hidden(q, h_t, a_t, r_t))) ------------------------
     def scoring_ids(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric] | None) -> list[list[int]]:

@@ -105,8 +105,9 @@ def test_policy_update_raises_actions_with_positive_advantage_and_lowers_negativ
 
 
 def test_rubric_update_moves_lora_and_head_and_lowers_the_decomposition_error(tiny_dir):
-    """One Eq. 5 step on a fixed batch: micro-batched (one trajectory per pass) gives the whole batch's
-    loss and gradients; a real step moves μ's LoRA and its score head and lowers Σ_τ (Σ_t s_t − R)²."""
+    """One Eq. 5 step on a fixed batch: recomputing each step's activations in the backward (gradient
+    checkpointing) gives the same loss and gradients as keeping them; the loss is Eq. 5 by hand; a real
+    step moves μ's LoRA and its score head and lowers Σ_τ (Σ_t s_t − R)²."""
     bb = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
     perturb_lora(bb)
     torch.manual_seed(0)
@@ -116,13 +117,14 @@ def test_rubric_update_moves_lora_and_head_and_lowers_the_decomposition_error(ti
     rubrics = [mu.rubric_from_criteria([f"criterion {i} of step", "b", "c"]) for i in range(len(contexts))]
     groups = mu.parameter_groups(0.0, 0.0)
 
-    def grads(micro_batch):
-        args = arco.resolve_args(arco.Args(micro_batch=micro_batch, kl_mu=0.05))
+    def grads(pass_tokens):
+        args = arco.resolve_args(arco.Args(pass_tokens=pass_tokens, kl_mu=0.05))
         out = arco.rubric_update(mu, torch.optim.SGD(groups, lr=0.0), trajs, contexts, rubrics, args)
         return out, [p.grad.clone() for g in groups for p in g["params"]]
-    whole, g_whole = grads(16)
-    split, g_split = grads(1)                                 # max(1, 1 // 2 steps): one trajectory per pass
-    assert split["rubric_loss"] == pytest.approx(whole["rubric_loss"], rel=1e-5) and whole["kl_mu"] > 0
+    whole, g_whole = grads(10 ** 6)
+    split, g_split = grads(1)                                 # every step its own part, recomputed in the backward
+    # float32 sums in another order: equal to 1e-4 relative (loss), 1e-6 + 1e-4 relative (gradients)
+    assert split["rubric_loss"] == pytest.approx(whole["rubric_loss"], rel=1e-4) and whole["kl_mu"] > 0
     # Eq. 5 as the release scales it, by hand: class weights of R = (0, 0) are 2 / (2 · 2) = 1/2 each; each
     # step's KL is the mean over its rubric tokens; the steps' KLs are summed and divided by |B| = 2.
     with torch.no_grad():
@@ -135,7 +137,7 @@ def test_rubric_update_moves_lora_and_head_and_lowers_the_decomposition_error(ti
     assert whole["decomposition_mse"] == pytest.approx(decomposition, rel=1e-4)        # logged unweighted
 
     trajs[0].reward = 1.0                                     # one success, one failure
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g_whole, g_split))
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(g_whole, g_split))
 
     def error():
         with torch.no_grad():
@@ -144,7 +146,7 @@ def test_rubric_update_moves_lora_and_head_and_lowers_the_decomposition_error(ti
         return sum((x - t.reward) ** 2 for x, t in zip(sums, trajs))
     lora0, head0, err0 = lora_state(bb), {n: p.clone() for n, p in mu.head.named_parameters()}, error()
     opt = torch.optim.AdamW(mu.parameter_groups(1e-3, 1e-2), weight_decay=0.0)
-    arco.rubric_update(mu, opt, trajs, contexts, rubrics, arco.resolve_args(arco.Args(micro_batch=16)))
+    arco.rubric_update(mu, opt, trajs, contexts, rubrics, arco.resolve_args(arco.Args()))
     assert any(not torch.equal(p, lora0[n]) for n, p in lora_state(bb).items())
     assert any(not torch.equal(p, head0[n]) for n, p in mu.head.named_parameters())
     assert error() < err0
