@@ -503,3 +503,105 @@ def test_mu_sees_the_history_before_the_step_it_grades():
     assert (first.prefix, first.action, first.searches_left) == ("", f"Search[{ex.paragraphs[0][0]}]", 3)
     assert second.prefix == f"Step 1: Search[{ex.paragraphs[0][0]}]\nObservation: {traj.steps[0].observation}"
     assert second.action == f"Finish[{ex.answer}]" and "Finish" not in second.prefix and second.searches_left == 2
+
+
+# ----------------------------------------------------------------------------- shared beginnings, decoding
+def test_pack_by_hand():
+    # [7, 8, 9] and [7, 8, 4, 5] share [7, 8]: packed 7 8 | 9 | 4 5, positions 0 1 | 2 | 2 3
+    p = rm.pack([[7, 8, 9], [7, 8, 4, 5]])
+    assert p.ids == [7, 8, 9, 4, 5] and p.positions == [0, 1, 2, 2, 3]
+    assert p.paths == [[0, 1, 2], [0, 1, 3, 4]]
+    assert p.allow.int().tolist() == [[1, 0, 0, 0, 0],
+                                      [1, 1, 0, 0, 0],
+                                      [1, 1, 1, 0, 0],      # 9 sees 7 8 9
+                                      [1, 1, 0, 1, 0],      # 4 sees 7 8 and itself, not 9
+                                      [1, 1, 0, 1, 1]]
+    after = rm.pack([[7, 8, 9], [7, 8, 4, 5]], start=2)          # 7 8 held in a cache
+    assert after.ids == [9, 4, 5] and after.positions == [2, 2, 3] and after.paths == [[0], [1, 2]]
+
+
+def test_token_passes_fill_to_the_budget_and_split_only_what_is_too_long():
+    seqs = [[1, 2, 3], [1, 2, 4], [5, 6, 7, 8], [9, 9, 9, 9, 9, 9]]
+    # packed sizes: {0, 1} = 4 tokens, {0, 1, 2} = 8, {3} = 6
+    assert rm.token_passes(seqs, 5) == [[[0, 1]], [[2]], [[3]]]
+    assert rm.token_passes(seqs, 5, units=[[0, 1, 2], [3]]) == [[[0, 1], [2]], [[3]]]   # a unit over 5: split
+    assert rm.token_passes(seqs, 100, units=[[0, 1, 2], [3]]) == [[[0, 1, 2, 3]]]      # whole units share a pass
+    assert rm.token_passes(seqs, 13, units=[[0, 1, 2], [3]]) == [[[0, 1, 2]], [[3]]]   # ... while they fit
+
+
+def test_packed_pass_equals_one_pass_per_sequence(tiny):
+    """Shared beginnings computed once (a cached prefix, then a packed row) give each sequence the
+    hidden states, log-probs and KL of a separate pass (float32 rounding apart)."""
+    add_lora(tiny)
+    perturb_lora(tiny, seed=3, scale=0.1)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(100, 1000, (12,), generator=g).tolist()
+    seqs = [base + [5, 6, 7], base + [5, 8, 9, 10], base[:6] + [11, 12, 13, 14]]
+    lens = [2, 3, 3]
+    root = rm.SharedPrefix(tiny, seqs, [r + 1 for r in lens])
+    assert root.n == 6
+    ref = rm.reference_logq(tiny, seqs, lens)
+    with torch.no_grad():
+        outs = rm.packed_steps(tiny, seqs, lens, root, ref)
+        for seq, r, out in zip(seqs, lens, outs):
+            ids = torch.tensor([seq])
+            h = tiny.model.get_decoder()(input_ids=ids).last_hidden_state[0]
+            assert torch.allclose(out.hidden_sum, h.sum(0), atol=1e-4) and out.length == len(seq)
+            lp = sequence_logprobs(tiny, [seq[:-r]], [seq[-r:]])
+            assert torch.allclose(out.logprobs, lp.logprobs[0], atol=1e-5)
+            full = response_kl(tiny, [seq[:-r]], [seq[-r:]])
+            assert torch.allclose(out.kl, full.kl[0], atol=1e-6)
+
+
+def transformers_generate(bb, prompts, max_new_tokens, temperature, batch_size):
+    """The reference: transformers' own generate, left-padded, every sampling knob off but temperature."""
+    from transformers import GenerationConfig
+    stops = rm.end_of_turn_ids(bb)
+    pad = bb.tokenizer.pad_token_id
+    knobs = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0) \
+        if temperature else dict(do_sample=False)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad, **knobs)
+    out = {}
+    for batch in rm._length_batches([len(p) for p in prompts], batch_size):
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch])
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch])
+        rows = bb.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        for row, i in enumerate(batch):
+            new = rows[row, width:].tolist()
+            out[i] = new[:next((j + 1 for j, t in enumerate(new) if t in stops), len(new))]
+    return [out[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_decode_writes_what_transformers_generate_writes(tiny, temperature):
+    """Our decoding (a packed prefill, rows leaving the batch, keys written in place) draws the tokens
+    transformers' generate draws: greedy, and sampled with the same seed."""
+    chats = [[{"role": "user", "content": f"Question {i}: " + "word " * (3 * i)}] for i in range(5)]
+    prompts = [rm.chat_prompt_ids(tiny.tokenizer, c) for c in chats]
+    torch.manual_seed(11)
+    ours = [g.token_ids for g in generate(tiny, prompts, max_new_tokens=9, temperature=temperature, batch_size=3)]
+    torch.manual_seed(11)
+    assert ours == transformers_generate(tiny, prompts, 9, temperature, 3)
+
+
+def test_greedy_rubrics_come_with_the_scores_of_a_score_pass(tiny):
+    """μ's greedy annotation takes s_t from the hidden states its generation computes; a separate score
+    pass over (q, h_t, a_t, r_t) gives the same d_t."""
+    mu = RubricModel(tiny, k=3, examples=0)
+    with torch.no_grad():
+        mu.head.net[-1].weight.normal_(std=0.5)
+        rubrics, scores = mu.annotate(CTX, temperature=0.0, max_new_tokens=10, batch_size=2)
+        again = mu.score(CTX, rubrics)
+    assert torch.allclose(scores.d, again.d, atol=1e-5) and torch.allclose(scores.s, again.s, atol=1e-5)
+
+
+def test_decoding_stops_where_the_reply_is_complete(tiny):
+    """`close` ends a row (the end-of-turn token follows), as μ's rubric ends where its JSON list closes."""
+    prompt = rm.chat_prompt_ids(tiny.tokenizer, [{"role": "user", "content": "hi"}])
+    (g, mean), = rm.decode(tiny, [prompt], 20, close=lambda ids: len(ids) >= 3, hidden=True)
+    eot = tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert len(g.token_ids) == 4 and g.token_ids[-1] == eot
+    with torch.no_grad():
+        h = tiny.model.get_decoder()(input_ids=torch.tensor([prompt + g.token_ids])).last_hidden_state[0]
+    assert torch.allclose(mean, h.mean(0), atol=1e-5)                      # every token fed once
