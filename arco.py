@@ -723,6 +723,12 @@ def make_optimizers(pi, mu, args: Args):
     return opt_pi, opt_mu
 
 
+def peak_rss_gb() -> float:
+    """The process's peak resident memory so far (Linux reports kB), logged with every update."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
 def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, args: Args, retriever,
               run_dir: Path) -> dict:
     """One iteration of Algorithm 1 (lines 5–38) on one batch; appends its metrics and traces."""
@@ -753,7 +759,7 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, ar
                invalid_rate=sum(not st.valid for st in steps) / len(steps),
                mean_s=float(s.mean()) if s is not None else None,
                rubric_parse_rate=sum(r.parsed for r in rubrics) / len(rubrics) if rubrics else None,
-               mean_G_per_bucket=info.get("mean_G_per_bucket"))
+               mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gb=peak_rss_gb())
     append_jsonl(run_dir / "metrics.jsonl", [row])
     append_jsonl(run_dir / "traces" / f"epoch_{epoch}.jsonl", trace_rows(trajs, epoch, b, rubrics, d, s, A, info))
     return row
@@ -843,7 +849,8 @@ def run(args: Args) -> Path:
         history.append({"epoch": 0, **ev})
         append_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": 0, **ev}])
         append_jsonl(run_dir / "traces" / "eval_epoch_0.jsonl", rows)
-        print(f"[arco] epoch 0 (SFT only): dev EM {ev['em']:.1f} F1 {ev['f1']:.1f}", flush=True)
+        print(f"[arco] epoch 0 (SFT only): dev EM {ev['em']:.1f} F1 {ev['f1']:.1f} "
+              f"(peak RSS so far {peak_rss_gb():.1f} GB)", flush=True)
 
     from tqdm import tqdm
     with CtrlC() as ctrl_c:
@@ -877,7 +884,7 @@ def run(args: Args) -> Path:
             append_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": epoch, **ev}])
             append_jsonl(run_dir / "traces" / f"eval_epoch_{epoch}.jsonl", trace_rows(trajs, epoch, -1))
             print(f"[arco] epoch {epoch}: dev EM {ev['em']:.1f} F1 {ev['f1']:.1f} "
-                  f"invalid {ev['invalid_rate']:.2f}", flush=True)
+                  f"invalid {ev['invalid_rate']:.2f} (peak RSS so far {peak_rss_gb():.1f} GB)", flush=True)
             save_checkpoint(ckpt_dir / f"epoch_{epoch}", pi, mu, opt_pi, opt_mu, epoch, history)
             shutil.rmtree(ckpt_dir / "interrupted", ignore_errors=True)
             if ctrl_c.requested and epoch < args.epochs:
@@ -1054,8 +1061,6 @@ def benchmark(args: Args) -> dict:
     call in runs/<dataset>/benchmark/batch.jsonl: the oracle teacher's trajectories on the same questions
     (gold and imperfect ones, warmup.oracle_script), which hold the valid Search/Finish steps of a policy
     that works, whatever the preset's π does."""
-    import resource
-
     import env
     from rubric_model import chat_prompt_ids, encode_response
     bench = Path(args.out_dir) / args.dataset / "benchmark"
@@ -1090,7 +1095,7 @@ def benchmark(args: Args) -> dict:
     A, _ = advantages(trajs, s, True, args)
     timed("π update", lambda: policy_update(pi, opt_pi, trajs, A, args, args.kl_pi_dense))
     timed("μ update", lambda: rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    peak_gb = peak_rss_gb()
 
     # Token counts of each phase and the raw rates of the same kinds of pass on the same shapes.
     pi_items = [(len(chat_prompt_ids(pi.tokenizer, st.prompt)), len(st.output_ids or encode_response(pi, st.output)))
