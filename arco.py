@@ -255,7 +255,8 @@ def describe_plan(args: Args, n_train: int) -> str:
                                                                      if args.bucket_fallback else "")) \
             if e["dense"] else f"A = R − mean of the {args.sparse_baseline}"
         lines.append(f"  epoch {e['epoch']}: {kind} {e['questions_per_batch']} questions × {e['samples']} = "
-                     f"{e['trajectories_per_update']} trajectories per update, {e['updates']} updates; π lr "
+                     f"{e['trajectories_per_update']} trajectories per update, {e['updates']} "
+                     f"update{'s' if e['updates'] != 1 else ''}; π lr "
                      f"{e['pi_lr']:g}, λ_π {e['kl_pi']:g}; {baseline}"
                      + ("  [selectable]" if e["selectable"] else ""))
     total = sum(e["updates"] * e["trajectories_per_update"] for e in plan)
@@ -723,8 +724,8 @@ def make_optimizers(pi, mu, args: Args):
     return opt_pi, opt_mu
 
 
-def peak_rss_gb() -> float:
-    """The process's peak resident memory so far (Linux reports kB), logged with every update."""
+def peak_rss_gib() -> float:
+    """The process's peak resident memory so far in GiB (Linux reports KiB), logged with every update."""
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
@@ -759,7 +760,7 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, ar
                invalid_rate=sum(not st.valid for st in steps) / len(steps),
                mean_s=float(s.mean()) if s is not None else None,
                rubric_parse_rate=sum(r.parsed for r in rubrics) / len(rubrics) if rubrics else None,
-               mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gb=peak_rss_gb())
+               mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gib=peak_rss_gib())
     append_jsonl(run_dir / "metrics.jsonl", [row])
     append_jsonl(run_dir / "traces" / f"epoch_{epoch}.jsonl", trace_rows(trajs, epoch, b, rubrics, d, s, A, info))
     return row
@@ -850,7 +851,7 @@ def run(args: Args) -> Path:
         append_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": 0, **ev}])
         append_jsonl(run_dir / "traces" / "eval_epoch_0.jsonl", rows)
         print(f"[arco] epoch 0 (SFT only): dev EM {ev['em']:.1f} F1 {ev['f1']:.1f} "
-              f"(peak RSS so far {peak_rss_gb():.1f} GB)", flush=True)
+              f"(peak RSS so far {peak_rss_gib():.1f} GiB)", flush=True)
 
     from tqdm import tqdm
     with CtrlC() as ctrl_c:
@@ -884,7 +885,7 @@ def run(args: Args) -> Path:
             append_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": epoch, **ev}])
             append_jsonl(run_dir / "traces" / f"eval_epoch_{epoch}.jsonl", trace_rows(trajs, epoch, -1))
             print(f"[arco] epoch {epoch}: dev EM {ev['em']:.1f} F1 {ev['f1']:.1f} "
-                  f"invalid {ev['invalid_rate']:.2f} (peak RSS so far {peak_rss_gb():.1f} GB)", flush=True)
+                  f"invalid {ev['invalid_rate']:.2f} (peak RSS so far {peak_rss_gib():.1f} GiB)", flush=True)
             save_checkpoint(ckpt_dir / f"epoch_{epoch}", pi, mu, opt_pi, opt_mu, epoch, history)
             shutil.rmtree(ckpt_dir / "interrupted", ignore_errors=True)
             if ctrl_c.requested and epoch < args.epochs:
@@ -1095,7 +1096,7 @@ def benchmark(args: Args) -> dict:
     A, _ = advantages(trajs, s, True, args)
     timed("π update", lambda: policy_update(pi, opt_pi, trajs, A, args, args.kl_pi_dense))
     timed("μ update", lambda: rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))
-    peak_gb = peak_rss_gb()
+    peak_gib = peak_rss_gib()
 
     # Token counts of each phase and the raw rates of the same kinds of pass on the same shapes.
     pi_items = [(len(chat_prompt_ids(pi.tokenizer, st.prompt)), len(st.output_ids or encode_response(pi, st.output)))
@@ -1130,10 +1131,10 @@ def benchmark(args: Args) -> dict:
         lines.append(f"{name:22s} {p['seconds']:8.1f} {p['tokens']:7d} {p['tokens_per_s']:9.1f} "
                      f"{p['raw_seconds']:7.1f} {100 * p['of_raw']:6.0f}%")
     result = {"dataset": args.dataset, "preset": args.preset, "trajectories": len(trajs), "steps": len(contexts),
-              "seconds": total, "trajectories_per_minute": 60 * len(trajs) / total, "peak_rss_gb": peak_gb,
+              "seconds": total, "trajectories_per_minute": 60 * len(trajs) / total, "peak_rss_gib": peak_gib,
               "phases": phases, "raw_rates": {"π": rate_pi, "μ": rate_mu}, "threads": torch.get_num_threads()}
     lines += [f"{'all':22s} {total:8.1f}   →  {result['trajectories_per_minute']:.2f} trajectories per minute; "
-              f"peak RSS {peak_gb:.2f} GB",
+              f"peak RSS {peak_gib:.2f} GiB",
               "raw: tokens of the phase at the raw rate of its kind of pass on uniform batches of the same "
               "mean length (tokens: new tokens for generation, sequence tokens otherwise)"]
     print("\n".join(lines))

@@ -411,7 +411,7 @@ def test_whole_loop_on_the_embedded_model_and_real_hotpotqa(tmp_path, data_dir):
         assert r["mean_s"] == pytest.approx(sum(st["s"] for st in steps) / len(steps), abs=1e-4)
         assert r["rubric_parse_rate"] == pytest.approx(sum(st["rubric_parsed"] for st in steps) / len(steps))
         assert min(r["seconds_rollout"], r["seconds_mu_annotate"], r["seconds_pi_update"], r["seconds_mu_update"]) > 0
-        assert 0.1 < r["peak_rss_gb"] < 64
+        assert 0.1 < r["peak_rss_gib"] < 64
         assert r["dense"] or r["kl_pi"] == 0                                    # λ_π = 0: no KL pass when sparse
     trace = read_jsonl(run / "traces" / "epoch_2.jsonl")
     assert len(trace) == 2                                                    # 2 questions × 1
