@@ -433,10 +433,12 @@ def chunks(items: Sequence, size: int) -> list:
 
 
 def policy_act(pi, temperature: float, max_new_tokens: int, batch_size: int):
-    """π as env.rollout's `act`: batched generation (sampling, or greedy at temperature 0)."""
-    from rubric_model import generate
+    """π as env.rollout's `act`: batched generation (sampling, or greedy at temperature 0); each round
+    runs only what its prompts add to the previous round's (PromptMemo)."""
+    from rubric_model import PromptMemo, generate
+    memo = PromptMemo()
     return lambda prompts: generate(pi, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    batch_size=batch_size)
+                                    batch_size=batch_size, memo=memo)
 
 
 def annotate(mu, trajs, args: Args) -> tuple[list, list, torch.Tensor, torch.Tensor]:

@@ -573,16 +573,59 @@ def transformers_generate(bb, prompts, max_new_tokens, temperature, batch_size):
     return [out[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_decode_writes_what_transformers_generate_writes(tiny, temperature):
+def make_stops_likely(bb, prompt, scale=4.0):
+    """Point the end-of-turn token's (tied) output row along a prompt's mean hidden state, so that sampled
+    rows end after different numbers of tokens."""
+    eot = bb.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        h = bb.model.get_decoder()(input_ids=torch.tensor([prompt])).last_hidden_state[0].mean(0)
+        bb.model.get_output_embeddings().weight[eot] = scale * h / h.norm()
+
+
+@pytest.mark.parametrize("temperature,stops", [(0.0, False), (0.7, False), (0.7, True)])
+def test_decode_writes_what_transformers_generate_writes(tiny, temperature, stops):
     """Our decoding (a packed prefill, rows leaving the batch, keys written in place) draws the tokens
-    transformers' generate draws: greedy, and sampled with the same seed."""
-    chats = [[{"role": "user", "content": f"Question {i}: " + "word " * (3 * i)}] for i in range(5)]
+    transformers' generate draws: greedy, and sampled with the same seed — also when sampled rows end
+    at different steps and leave our forward pass while transformers keeps feeding them."""
+    chats = [[{"role": "user", "content": f"Question {i}: " + "word " * (3 * i)}] for i in range(8 if stops else 5)]
     prompts = [rm.chat_prompt_ids(tiny.tokenizer, c) for c in chats]
+    if stops:
+        make_stops_likely(tiny, prompts[-1])
     torch.manual_seed(11)
     ours = [g.token_ids for g in generate(tiny, prompts, max_new_tokens=9, temperature=temperature, batch_size=3)]
+    if stops:
+        assert len({len(o) for o in ours}) > 1          # rows did end at different steps
     torch.manual_seed(11)
     assert ours == transformers_generate(tiny, prompts, 9, temperature, 3)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_prompt_memo_gives_the_tokens_of_a_full_prefill(tiny, temperature):
+    """A rollout's second round with the first round's prompts in a PromptMemo runs only the new tokens
+    and writes what a full prefill writes; the memo is dropped when the adapter's weights change."""
+    lora = add_lora(tiny, dropout=0.0)
+    perturb_lora(lora, 3)
+    questions = [f"Question {i}: " + "word " * (2 * i) for i in range(4)]
+    first = [[{"role": "user", "content": q}] for q in questions]
+    second = [[{"role": "user", "content": q + f" Step 1: found {i}."}] for i, q in enumerate(questions)]
+    calls = []
+    original = rm._rows_from_memo
+    rm._rows_from_memo = lambda bb, seqs, stored: calls.append([m for _, m in stored]) or original(bb, seqs, stored)
+    try:
+        memo = rm.PromptMemo()
+        torch.manual_seed(5)
+        with_memo = [[g.token_ids for g in generate(lora, chats, 6, temperature, 3, memo=memo)] for chats in (first, second)]
+        torch.manual_seed(5)
+        without = [[g.token_ids for g in generate(lora, chats, 6, temperature, 3)] for chats in (first, second)]
+    finally:
+        rm._rows_from_memo = original
+    assert with_memo == without
+    prompt_lens = sorted(len(rm.chat_prompt_ids(lora.tokenizer, c)) for c in second)
+    assert len(calls) == 2 and all(0 < m < n for call in calls for m, n in zip(sorted(call), prompt_lens))
+    assert len(memo.entries) == len(second)
+    perturb_lora(lora, 4)
+    memo.begin(lora)
+    assert memo.entries == []
 
 
 def test_greedy_rubrics_come_with_the_scores_of_a_score_pass(tiny):
