@@ -370,7 +370,7 @@ def choose_queries(examples: Sequence[env.Example], retriever) -> list[list[Targ
     return plans
 
 
-VARIANTS = ("wrong_answer", "premature", "wrong_entity", "redundant")
+VARIANTS = ("wrong_answer", "premature", "wrong_entity", "redundant", "missed_hop")
 
 
 def _wrong_answer(ex: env.Example, rng: random.Random, targets: Sequence[Target]) -> str:
@@ -405,7 +405,9 @@ def oracle_script(ex: env.Example, sample: int, plan: list[Target], budget: int,
     (a distractor paragraph's title) or a redundant one (a query repeated) slipped in among the gold
     searches — still R = 1 when the budget leaves room for all the evidence, otherwise finished with a
     wrong guess; a premature finish (fewer hops, a guessed answer: an intermediate entity); a wrong
-    answer after all the gold searches.
+    answer after all the gold searches; a missed hop (a distractor's title searched in place of one
+    gold hop, the evidence left incomplete, a wrong answer): a failure whose steps are partly useful,
+    the kind of trajectory step-level credit is for.
     """
     gold = [(f"Search[{t.query}]", Intent("gold", t, i + 1)) for i, t in enumerate(plan)]
     if sample == 0:
@@ -415,14 +417,20 @@ def oracle_script(ex: env.Example, sample: int, plan: list[Target], budget: int,
         variant = VARIANTS[(offset + sample - 1) % len(VARIANTS)]
     rng = random.Random(f"{seed}-{ex.dataset}-{ex.id}-{sample}")
     searches = gold
-    if variant == "wrong_entity":
+    if variant in ("wrong_entity", "missed_hop"):
         others = [i for i in range(len(ex.paragraphs)) if i not in ex.supporting]
+        distractor = []
         if others:
             d = rng.choice(others)
             title = ex.paragraphs[d][0]
             wrong = Target(d, _bare(title), "", [title], query=_argument("search", title))
+            distractor = [(f"Search[{wrong.query}]", Intent("wrong_entity", wrong))]
+        if variant == "wrong_entity":
             at = rng.randrange(min(len(gold), budget) + 1)
-            searches = gold[:at] + [(f"Search[{wrong.query}]", Intent("wrong_entity", wrong))] + gold[at:]
+            searches = gold[:at] + distractor + gold[at:]
+        elif gold:                                           # missed_hop: the distractor replaces hop `at`
+            at = rng.randrange(min(len(gold), budget))
+            searches = gold[:at] + distractor + gold[at + 1:]
     elif variant == "redundant":
         at = rng.randrange(max(1, min(len(gold), budget)))
         again = (gold[at][0], Intent("redundant", gold[at][1].target, gold[at][1].hop))
@@ -431,7 +439,7 @@ def oracle_script(ex: env.Example, sample: int, plan: list[Target], budget: int,
         searches = gold[:rng.randrange(len(gold))] if gold else []
     searches = searches[:budget]
     covered = {i.target.paragraph for _, i in searches if i.kind == "gold"}
-    right = variant != "wrong_answer" and variant != "premature" and covered >= {t.paragraph for t in plan}
+    right = variant in ("wrong_entity", "redundant") and covered >= {t.paragraph for t in plan}
     if variant == "gold":
         answer = ex.answer  # even when the budget is short of the evidence: then evidence_found is False
     elif right:

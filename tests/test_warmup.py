@@ -154,6 +154,15 @@ def test_oracle_on_synthetic(retriever, tmp_path):
     assert red and all(any(s["teacher_scores"][2] == -1.0 for s in r["steps"] if s["action"] == "search") for r in red)
     wrong = [r for r in records if r["variant"] == "wrong_answer"]
     assert wrong and all(r["reward"] == 0.0 and r["steps"][-1]["teacher_scores"][0] == -1.0 for r in wrong)
+    # a missed hop: a distractor searched in place of one gold hop, the evidence incomplete, R = 0
+    missed = [r for r in records if r["variant"] == "missed_hop"]
+    assert missed and all(r["reward"] == 0.0 and not r["evidence_found"] for r in missed)
+    for r in missed:
+        searches = [s for s in r["steps"] if s["action"] == "search"]
+        same = next(g for g in gold if g["id"] == r["id"])
+        assert len(searches) == sum(s["action"] == "search" for s in same["steps"])
+        assert sum(s["retrieved"] not in r["supporting"] for s in searches) == 1
+        assert any(s["retrieved"] in r["supporting"] for s in searches) == (len(searches) > 1)
     went = [r for r in records if r["variant"] == "wrong_entity"]
     assert went and all(any(s["teacher_scores"][0] == -1.0 and s["retrieved"] not in r["supporting"]
                             for s in r["steps"]) for r in went)
