@@ -432,15 +432,6 @@ def chunks(items: Sequence, size: int) -> list:
     return [items[i:i + size] for i in range(0, len(items), max(1, size))]
 
 
-def policy_act(pi, temperature: float, max_new_tokens: int, batch_size: int):
-    """π as env.rollout's `act`: batched generation (sampling, or greedy at temperature 0); each round
-    runs only what its prompts add to the previous round's (PromptMemo)."""
-    from rubric_model import PromptMemo, generate
-    memo = PromptMemo()
-    return lambda prompts: generate(pi, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    batch_size=batch_size, memo=memo)
-
-
 def annotate(mu, trajs, args: Args) -> tuple[list, list, torch.Tensor, torch.Tensor]:
     """Alg. 1, lines 15–19: μ writes r_t for every step and scores it: d_t, s_t (Eq. 2).
 
@@ -736,6 +727,7 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, ar
               run_dir: Path) -> dict:
     """One iteration of Algorithm 1 (lines 5–38) on one batch; appends its metrics and traces."""
     import env
+    from rubric_model import policy_act
     torch.manual_seed(args.seed * 1_000_003 + epoch * 1009 + b)   # resumable: sampling seeded per batch
     row: dict = {"kind": "update", "epoch": epoch, "batch": b, "dense": dense}
     t0 = time.time()
@@ -1065,7 +1057,7 @@ def benchmark(args: Args) -> dict:
     (gold and imperfect ones, warmup.oracle_script), which hold the valid Search/Finish steps of a policy
     that works, whatever the preset's π does."""
     import env
-    from rubric_model import chat_prompt_ids, encode_response
+    from rubric_model import chat_prompt_ids, encode_response, policy_act
     bench = Path(args.out_dir) / args.dataset / "benchmark"
     warmup_dir = ensure_warmup(args)
     questions = env.load_split(args.dataset, "train", args.data_dir or None, args.train_size, args.seed)

@@ -385,6 +385,14 @@ def generate(bb: Backbone, prompts: Sequence[list[dict] | list[int]], max_new_to
     return [g for g, _ in decode(bb, ids, max_new_tokens, temperature, batch_size, memo=memo)]
 
 
+def policy_act(bb: Backbone, temperature: float, max_new_tokens: int, batch_size: int):
+    """A policy as env.rollout's `act`: batched generation (sampling, or greedy at temperature 0); each
+    round runs only what its prompts add to the previous round's (one PromptMemo per rollout)."""
+    memo = PromptMemo()
+    return lambda prompts: generate(bb, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    batch_size=batch_size, memo=memo)
+
+
 # ----------------------------------------------------------------------------------------
 # 4. Token log-probs and KL
 # ----------------------------------------------------------------------------------------
@@ -902,9 +910,10 @@ def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
             while True:
                 logits = _next_token_logits(bb, h_last)
                 if sample:                           # transformers' sampling: every row of the batch draws
+                    live = torch.tensor(rows, device=dev)
                     probs = logits.new_full((len(seqs), logits.shape[-1]), 1.0 / logits.shape[-1])
-                    probs[torch.tensor(rows, device=dev)] = torch.softmax(logits / temperature, -1)
-                    pick = torch.multinomial(probs, 1)[torch.tensor(rows, device=dev), 0].tolist()
+                    probs[live] = torch.softmax(logits / temperature, -1)
+                    pick = torch.multinomial(probs, 1)[live, 0].tolist()
                 else:
                     pick = logits.argmax(-1).tolist()
                 for row, tok in zip(rows, pick):

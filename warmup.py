@@ -1311,10 +1311,8 @@ def evaluate_policy(pi, examples: Sequence[env.Example], retriever, max_new_toke
     trajectory scores 0), searches per question, invalid-step rate. Also the paper's Base and
     SFT-Only rows."""
     from evaluate import exact_match, f1_score
-    from rubric_model import PromptMemo, generate
-    memo = PromptMemo()
-    trajs = env.rollout(examples, lambda prompts: generate(pi, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
-                                                           batch_size=batch_size, memo=memo), retriever, max_searches,
+    from rubric_model import policy_act
+    trajs = env.rollout(examples, policy_act(pi, 0.0, max_new_tokens, batch_size), retriever, max_searches,
                         obs_chars, progress=True)
     n = max(len(trajs), 1)
     steps = [st for t in trajs for st in t.steps]
