@@ -42,7 +42,7 @@ examines the rubric model μ of the FIRST run. One command makes every table and
               4hop). Written to <first run>/comparison.md and comparison.json
               (comparison-<split>.* for another split).
   --diagnose  Into the first run's folder: diagnostics.json, diagnostics.md, dev_em.png,
-              bucket_scores.png, credit_auc.png, trajectories.html.
+              train_reward.png, bucket_scores.png, credit_auc.png, trajectories.html.
               * Credit assignment: a fixed held-out set -- the oracle teacher's gold and
                 imperfect (redundant, wrong-entity, premature, wrong-answer) trajectories on
                 --heldout-questions dev questions x --heldout-samples, seeded -- with every step
@@ -60,7 +60,8 @@ examines the rubric model μ of the FIRST run. One command makes every table and
                 the offline embedding judge always (the retriever's encoder), an OpenAI-
                 compatible judge with --judge-model (key and endpoint from OPENAI_API_KEY /
                 OPENAI_BASE_URL), split by Search and Finish, with 95% intervals.
-              * Plots: dev EM per epoch of every run; mean s_t per position bucket and epoch;
+              * Plots: dev EM per epoch and mean training R per update of every run; mean s_t
+                per position bucket and epoch;
                 the credit AUC over training (x = -1 untrained μ, 0 warmup μ, K epoch K). A page
                 of a few training trajectories of the last epoch with their rubrics and scores.
 """
@@ -860,7 +861,8 @@ _Series = Sequence[tuple[float, float | None]]
 
 
 def plot_lines(series: dict[str, _Series], path: str | Path, title: str, ylabel: str, chance: float | None = None,
-               ylim: tuple[float, float] | None = None, size: tuple[float, float] = (6.4, 4.0), dpi: int = 100):
+               ylim: tuple[float, float] | None = None, size: tuple[float, float] = (6.4, 4.0), dpi: int = 100,
+               xlabel: str = "epoch"):
     """One line per named series of (epoch, value) points (sorted; None values skipped), a dashed
     `chance` line if given, saved as PNG. The report's three: dev EM per epoch of each run (§4.2
     selects the checkpoint by peak dev EM), mean s_t per position bucket (Eq. 3–4), credit AUC."""
@@ -875,7 +877,7 @@ def plot_lines(series: dict[str, _Series], path: str | Path, title: str, ylabel:
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=str(name))
     if chance is not None:
         ax.axhline(chance, linestyle="--", color="grey", label="chance")
-    ax.set(title=title, xlabel="epoch", ylabel=ylabel)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if ylim:
         ax.set_ylim(*ylim)
@@ -891,6 +893,11 @@ def plot_lines(series: dict[str, _Series], path: str | Path, title: str, ylabel:
 def dev_em_series(metrics: Iterable[dict]) -> list[tuple[int, float]]:
     """(epoch, dev EM) pairs of a run's metrics.jsonl rows (the `kind: eval` ones)."""
     return [(r["epoch"], r["em"]) for r in metrics if r.get("kind") == "eval"]
+
+
+def train_reward_series(metrics: Iterable[dict]) -> list[tuple[int, float]]:
+    """(update number from 1, mean R(τ) of the update's rollouts) of a run's metrics.jsonl rows."""
+    return [(i, r["mean_R"]) for i, r in enumerate((r for r in metrics if r.get("kind") == "update"), 1)]
 
 
 def bucket_mean_scores(rows: Iterable[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -1109,8 +1116,61 @@ def warmup_rows(runs: Sequence[Run]) -> list[dict]:
     return rows
 
 
+def question_em(run: Run, epoch: int) -> dict[str, float]:
+    """{question id: EM in %} of the run's own greedy dev evaluation at `epoch` (traces/eval_epoch_K.jsonl;
+    R(τ) is EM, Alg. 1 line 23); {} when the run kept no such traces."""
+    return {r["id"]: 100.0 * r["reward"] for r in _read_rows(run.dir / "traces" / f"eval_epoch_{epoch}.jsonl")}
+
+
+def paired_difference(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """EM after − EM before over the questions both evaluated, with the 95% interval of the mean of
+    the per-question differences (paired: the same questions, so question difficulty cancels)."""
+    ids = sorted(before.keys() & after.keys())
+    if not ids:
+        return None
+    mean, half = mean_ci([after[i] - before[i] for i in ids])
+    return {"n": len(ids), "delta_em": mean, "half_width": half}
+
+
+def method_of(row: dict) -> str:
+    """The method a run row belongs to, whatever its seed: outcome RL, ARCO, ARCO w/o Rubric, …"""
+    if row.get("reward") == "outcome":
+        return "outcome RL"
+    variant = {"adaptive": "", "none": " w/o Rubric", "static": " w/o Adaptive", "prefix-free": " w/o Prefix"}
+    return "ARCO" + variant.get(row.get("rubric"), f" {row.get('rubric')}") + ("" if row.get("k") in (3, None)
+                                                                                 else f" K={row['k']}")
+
+
+def method_rows(rows: Sequence[dict], runs: Sequence[Run]) -> list[dict]:
+    """One row per method over its runs (seeds): EM and F1 as mean ± half the range over the runs, the
+    SFT-only EM of the same runs' dev questions (each run's epoch 0), and the paired difference to it
+    pooled over every run's questions with its 95% interval: beyond noise when the interval excludes 0."""
+    by_run = {str(r.dir): r for r in runs}
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        if row.get("run"):
+            groups[method_of(row)].append(row)
+    out = []
+    for method, members in groups.items():
+        before, after, sft = {}, {}, []
+        for row in members:
+            run = by_run[row["run"]]
+            b, a = question_em(run, 0), question_em(run, run.epoch)
+            before.update({(run.name, q): v for q, v in b.items()})
+            after.update({(run.name, q): v for q, v in a.items()})
+            if b:
+                sft.append(sum(b.values()) / len(b))
+        spread = lambda v: (sum(v) / len(v), (max(v) - min(v)) / 2) if v else (None, None)   # noqa: E731
+        em, f1 = spread([m["em"] for m in members]), spread([m["f1"] for m in members])
+        out.append({"method": method, "runs": len(members), "em": em[0], "em_spread": em[1], "f1": f1[0],
+                    "f1_spread": f1[1], "sft_only_em": sum(sft) / len(sft) if sft else None,
+                    "vs_sft_only": paired_difference(before, after)})
+    return out
+
+
 def compare_runs(runs: Sequence[Run], split: str, data_dir: str | None, device: str, reevaluate: bool) -> dict:
-    """The side-by-side comparison: warmup rows (dev only), then one row per run."""
+    """The side-by-side comparison: warmup rows (dev only), then one row per run (on dev with its paired
+    difference to its own epoch 0), then one row per method over its runs (seeds)."""
     rows = warmup_rows(runs) if split == "dev" else []
     for run in runs:
         scores = evaluation(run, split, data_dir, device, reevaluate)
@@ -1119,20 +1179,24 @@ def compare_runs(runs: Sequence[Run], split: str, data_dir: str | None, device: 
         rows.append({"system": run.name, "checkpoint": run.checkpoint + (" (selected)" if run.selected else ""),
                      "run": str(run.dir), "reward": run.args.get("reward"),
                      "rubric": run.args.get("rubric") if mu else None, "k": run.args.get("k") if mu else None,
-                     **scores})
+                     **scores,
+                     "vs_sft_only": paired_difference(question_em(run, 0), question_em(run, run.epoch))
+                     if split == "dev" else None})
     types_ = sorted({t for r in rows for t in r["by_type"]})
-    return {"dataset": runs[0].args["dataset"], "split": split, "types": types_, "rows": rows}
+    return {"dataset": runs[0].args["dataset"], "split": split, "types": types_, "rows": rows,
+            "methods": method_rows(rows, runs) if split == "dev" else []}
 
 
 def comparison_markdown(comp: dict) -> str:
     """The comparison as one markdown table, then where each row comes from."""
     pct = lambda x: "" if x is None else f"{x:.1f}"                                  # noqa: E731
-    cols = ["system", "checkpoint", "n", "EM", "F1", "searches / q", "invalid steps %"] + \
+    delta = lambda d: "" if not d else f"{d['delta_em']:+.1f} ± {d['half_width']:.1f} (n {d['n']})"  # noqa: E731
+    cols = ["system", "checkpoint", "n", "EM", "F1", "Δ EM vs SFT only ± 95%", "searches / q", "invalid steps %"] + \
         [f"{t} EM / F1" for t in comp["types"]]
     table = []
     for r in comp["rows"]:
         cells = {"system": r["system"], "checkpoint": r["checkpoint"], "n": r.get("n"), "EM": pct(r.get("em")),
-                 "F1": pct(r.get("f1")),
+                 "F1": pct(r.get("f1")), "Δ EM vs SFT only ± 95%": delta(r.get("vs_sft_only")),
                  "searches / q": "" if r.get("mean_searches") is None else f"{r['mean_searches']:.2f}",
                  "invalid steps %": "" if r.get("invalid_rate") is None else f"{100 * r['invalid_rate']:.1f}"}
         for t in comp["types"]:
@@ -1141,7 +1205,17 @@ def comparison_markdown(comp: dict) -> str:
         table.append(cells)
     lines = [f"# Comparison on {comp['dataset']} / {comp['split']}", "", format_table(table, cols), "",
              "Greedy decoding; EM and F1 in %, an unfinished trajectory scores 0. The warmup rows have no "
-             "per-type breakdown (its metrics.json keeps none).", "", "Sources:", ""]
+             "per-type breakdown (its metrics.json keeps none). Δ EM: the checkpoint's EM minus the same run's "
+             "epoch 0 (SFT only) on the same questions, mean of the per-question differences ± its 95% interval "
+             "(beyond noise when the interval excludes 0).", ""]
+    if comp.get("methods"):
+        mrows = [{"method": m["method"], "runs": m["runs"],
+                  "EM (mean ± half range)": f"{m['em']:.1f} ± {m['em_spread']:.1f}",
+                  "F1": f"{m['f1']:.1f} ± {m['f1_spread']:.1f}",
+                  "SFT-only EM, same questions": pct(m["sft_only_em"]),
+                  "Δ EM vs SFT only ± 95% (pooled)": delta(m["vs_sft_only"])} for m in comp["methods"]]
+        lines += ["By method, over its runs (seeds):", "", format_table(mrows, list(mrows[0])), ""]
+    lines += ["Sources:", ""]
     lines += [f"- {r['system']}: {r['source']}" for r in comp["rows"]]
     return "\n".join(lines) + "\n"
 
@@ -1351,6 +1425,32 @@ def training_traces_auc(run: Run) -> list[dict]:
     return out
 
 
+def step_count_reference(trajs: Sequence[Any], labels: Sequence[Sequence[bool]]) -> dict:
+    """What a scorer that knows only where a step stands reaches (the reference for μ's AUC): the AUC
+    of −(steps in the step's trajectory) and of −(the step's position t), each in its better direction
+    (max of AUC and 1 − AUC, fitted on the same steps, so a generous reference)."""
+    y = [v for lt in labels for v in lt]
+    better = lambda a: None if a is None else max(a, 1 - a)                        # noqa: E731
+    return {"auc_step_count": better(auc([-len(t.steps) for t in trajs for _ in t.steps], y)),
+            "auc_step_position": better(auc([-i for t in trajs for i in range(len(t.steps))], y))}
+
+
+def crossfit_judge(sums: Sequence[float], truth: Sequence[bool], folds: Sequence[int]) -> dict:
+    """μ as a judge with a fitted threshold, out of sample: the trajectories of the held-out set in two
+    folds (by question); each fold is judged with best_threshold fitted on the other, and the verdicts
+    of both are pooled into one judge_stats. Works for every stage alike (the warmup μ too, which has no
+    training traces of its own)."""
+    verdicts, thresholds = [False] * len(sums), []
+    for f in (0, 1):
+        train = [i for i, g in enumerate(folds) if g != f]
+        thr = best_threshold([sums[i] for i in train], [truth[i] for i in train]) if train else float("inf")
+        thresholds.append(_finite(thr))
+        for i, g in enumerate(folds):
+            if g == f:
+                verdicts[i] = sums[i] > thr
+    return {"threshold": thresholds, **judge_stats(verdicts, truth)}
+
+
 def fitted_threshold(rows: Sequence[dict]) -> dict | None:
     """best_threshold of Σ_t s_t against R(τ) over trace rows that recorded s_t (training data)."""
     scored = [r for r in rows if r["steps"] and all("s" in st for st in r["steps"])]
@@ -1367,6 +1467,8 @@ def diagnose_mu(run: Run, args: "Args") -> dict:
     trajs, metas, labels = heldout_set(run, args.heldout_questions, args.heldout_samples, args.seed,
                                        args.data_dir)
     kinds = [[st.action for st in t.steps] for t in trajs]
+    order = {qid: i for i, qid in enumerate(dict.fromkeys(t.example.id for t in trajs))}
+    folds = [order[t.example.id] % 2 for t in trajs]              # crossfit_judge's two folds, by question
     rewards = [t.reward for t in trajs]
     f1s = [f1_score(t.answer, t.example.answers) if t.finished else 0.0 for t in trajs]
     heldout = {"dataset": run.args["dataset"], "split": "dev", "questions": args.heldout_questions,
@@ -1375,7 +1477,8 @@ def diagnose_mu(run: Run, args: "Args") -> dict:
                "reward_1": sum(r >= 0.5 for r in rewards), "variants": dict(Counter(m["variant"] for m in metas)),
                # A reference for "AUC Σs vs R": Σ_t s_t of a μ that gives every step the same small score is
                # the trajectory's length times that score, so its AUC is this one (or 1 minus it).
-               "auc_length_vs_R": auc([len(t.steps) for t in trajs], [r >= 0.5 for r in rewards])}
+               "auc_length_vs_R": auc([len(t.steps) for t in trajs], [r >= 0.5 for r in rewards]),
+               **step_count_reference(trajs, labels)}
     a = run.args
     stages = [("untrained", -1, None), ("warmup", 0, run.warmup_mu_dir())] + \
         [(f"epoch_{e}", e, p) for e, p in run.mu_dirs()]
@@ -1391,7 +1494,8 @@ def diagnose_mu(run: Run, args: "Args") -> dict:
         del mu
         row = {"stage": name, "x": x,
                "model": str(folder) if folder else f"base backbone, fresh head (seed {args.seed})",
-               "rubric_parse_rate": parse_rate, **credit_stage(s, labels, kinds, rewards, f1s)}
+               "rubric_parse_rate": parse_rate, **credit_stage(s, labels, kinds, rewards, f1s),
+               "judge_crossfit": crossfit_judge([sum(st) for st in s], [r >= 0.5 for r in rewards], folds)}
         if name == selected_stage and fit is not None:
             row["judge_fitted"] = {"threshold": _finite(fit["threshold"]),
                                    "fitted_on_trajectories": fit["trajectories"],
@@ -1422,7 +1526,9 @@ def diagnostics_markdown(d: dict) -> str:
                   f"R = 1 for {h['reward_1']}. AUC of s_t for useful vs useless steps (0.5 = chance); the judge "
                   f"passes a trajectory iff Σ_t s_t > threshold and is compared with R(τ). Reference: the number "
                   f"of steps alone has AUC {_fmt(h.get('auc_length_vs_R'))} for R, so a μ that scores every step "
-                  f"alike reaches that AUC (or 1 minus it) with Σ_t s_t.", ""]
+                  f"alike reaches that AUC (or 1 minus it) with Σ_t s_t. For the step AUC, a scorer that knows only "
+                  f"how many steps the trajectory has reaches {_fmt(h.get('auc_step_count'))}, one that knows only the "
+                  f"step's position {_fmt(h.get('auc_step_position'))} (each in its better direction).", ""]
         rows = []
         for r in d["credit"]["stages"]:
             rows.append({"μ": r["stage"], "AUC steps": _fmt(r["auc_steps"]), "AUC search": _fmt(r["auc_search"]),
@@ -1432,18 +1538,21 @@ def diagnostics_markdown(d: dict) -> str:
         lines += [format_table(rows, list(rows[0])), "", "### μ as a reward-free judge of R(τ)", ""]
         rows = []
         for r in d["credit"]["stages"]:
-            for key, label in (("judge", ""), ("judge_fitted", "fitted: ")):
+            for key, label in (("judge", ""), ("judge_crossfit", "cross-fitted: "), ("judge_fitted", "fitted: ")):
                 if key not in r:
                     continue
                 j = r[key]
-                rows.append({"μ": r["stage"], "threshold": label + _fmt(j["threshold"]),
+                thr = " / ".join(map(_fmt, j["threshold"])) if isinstance(j["threshold"], list) else _fmt(j["threshold"])
+                rows.append({"μ": r["stage"], "threshold": label + thr,
                              "agreement": _fmt(j["agreement"]), "κ": _fmt(j["kappa"]),
                              "false pass": _fmt(j["false_pass_rate"]), "false fail": _fmt(j["false_fail_rate"]),
                              "AUC Σs vs R": _fmt(r["auc_sum_vs_R"]),
                              "Spearman Σs, F1": _fmt(r["spearman_sum_vs_f1"])})
         lines += [format_table(rows, list(rows[0])), "",
                   "The fitted threshold is best_threshold of Σ_t s_t against R on the checkpoint epoch's training "
-                  "traces, applied to that epoch's μ.", ""]
+                  "traces, applied to that epoch's μ. The cross-fitted one is fitted on the held-out trajectories of "
+                  "half the questions and applied to the other half, both ways (the two thresholds shown), for every "
+                  "μ alike.", ""]
         tr = d["credit"]["training_traces_auc"]
         if tr:
             lines += ["### AUC of the s_t recorded on the policy's own training rollouts", "",
@@ -1509,6 +1618,10 @@ def diagnose(runs: Sequence[Run], args: "Args") -> dict[str, Path]:
     series = {r.name: dev_em_series(r.metrics()) for r in runs}
     plot_lines(series, out / "dev_em.png", "Dev EM per epoch", "dev EM (%)")
     files["dev_em.png"] = "dev EM per epoch, every --run"
+    rewards = {r.name: train_reward_series(r.metrics()) for r in runs}
+    plot_lines(rewards, out / "train_reward.png", "Mean R of the training rollouts", "mean R(τ)", ylim=(-0.05, 1.05),
+               xlabel="update")
+    files["train_reward.png"] = "mean R(τ) of each update's rollouts, every --run"
     traces = {e: run.training_traces(e) for e in run.trace_epochs()}     # read once: the buckets and the page
     buckets = bucket_mean_scores([row for rows in traces.values() for row in rows])
     plot_lines(buckets, out / "bucket_scores.png", "Mean step score per bucket", "mean s_t", ylim=(-1.05, 1.05))
@@ -1526,14 +1639,15 @@ def diagnose(runs: Sequence[Run], args: "Args") -> dict[str, Path]:
     title = f"ARCO run {run.name}: training trajectories of epoch {'—' if last is None else last}"
     (out / "trajectories.html").write_text(trajectories_html(shown, title), encoding="utf-8")
     files["trajectories.html"] = f"{len(shown)} training trajectories of the last epoch with rubrics and scores"
-    d["figures"] = {"dev_em.png": series, "bucket_scores.png": buckets, "credit_auc.png": auc_series}
+    d["figures"] = {"dev_em.png": series, "train_reward.png": rewards, "bucket_scores.png": buckets,
+                    "credit_auc.png": auc_series}
     files["diagnostics.json"] = "every number above, and the data of each figure"
     files["diagnostics.md"] = "these tables"
     d["files"] = files
     _write_json(out / "diagnostics.json", d)
     (out / "diagnostics.md").write_text(diagnostics_markdown(d), encoding="utf-8")
-    return {f: out / f for f in ("diagnostics.md", "diagnostics.json", "dev_em.png", "bucket_scores.png",
-                                 "credit_auc.png", "trajectories.html")}
+    return {f: out / f for f in ("diagnostics.md", "diagnostics.json", "dev_em.png", "train_reward.png",
+                                 "bucket_scores.png", "credit_auc.png", "trajectories.html")}
 
 
 def run_command(args: "Args") -> None:

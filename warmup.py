@@ -1163,11 +1163,24 @@ def warmup_cosine(optimizer, total_steps: int, warmup_fraction: float = 0.03):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def policy_sft_loss(pi, batch: Sequence[tuple[list[int], list[int]]]):
-    """π SFT: mean NLL of the target action's tokens given the RL policy prompt (target tokens only)."""
-    from rubric_model import sequence_logprobs
-    lp = sequence_logprobs(pi, [p for p, _ in batch], [r for _, r in batch])
-    return -lp.logprobs.sum() / lp.mask.sum()
+def policy_sft_backward(pi, batch: Sequence[tuple[list[int], list[int]]], micro_batch: int) -> float:
+    """π SFT's loss on one optimizer batch of (policy prompt, action) pairs, backpropagated; returns its
+    value: the mean NLL of the target actions' tokens (target tokens only) over the whole batch, so the
+    memory knob `micro_batch` does not change it. Plumbing: the batch's common beginning (the system
+    prompt, over half of a synthetic prompt's tokens) runs through the decoder once (SharedPrefix), the
+    rest in parts of `micro_batch` sequences, each part packed (rubric_model.pack); the same loss and
+    gradient as one plain pass per sequence (tested)."""
+    from rubric_model import SharedPrefix, packed_steps
+    seqs, lens = [p + r for p, r in batch], [len(r) for _, r in batch]
+    root = SharedPrefix(pi, seqs, [n + 1 for n in lens], detach=True)
+    tokens, total = sum(lens), 0.0
+    for part in _micro(list(range(len(batch))), micro_batch):
+        outs = packed_steps(pi, [seqs[i] for i in part], [lens[i] for i in part], root)
+        loss = -torch.stack([o.logprobs.sum() for o in outs]).sum() / tokens
+        loss.backward()
+        total += float(loss.detach())
+    root.backward_prefix()
+    return total
 
 
 def dev_rank(scores: dict) -> tuple:
@@ -1202,10 +1215,7 @@ def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch
         batches = _shuffled_batches(len(data), batch_size, rng)
         for b in tqdm(batches, desc=f"π SFT epoch {epoch + 1}/{epochs}", disable=not progress, leave=False):
             opt.zero_grad(set_to_none=True)
-            for part in _micro(b, micro_batch):       # gradient accumulation: the batch in memory-sized parts
-                loss = policy_sft_loss(pi, [data[i] for i in part]) * len(part) / len(b)
-                loss.backward()
-                total += float(loss.detach()) * len(b)
+            total += policy_sft_backward(pi, [data[i] for i in b], micro_batch) * len(b)
             opt.step()
             schedule.step()
         losses.append(total / max(len(data), 1))
@@ -1259,6 +1269,34 @@ def rubric_sft_loss(mu, items: Sequence[dict], lam: float, token_reduction: str 
     return text + lam * score, text, score
 
 
+def rubric_sft_backward(mu, items: Sequence[dict], lam: float, micro_batch: int, token_reduction: str = "sum") -> float:
+    """rubric_sft_loss (Eq. 7) of one optimizer batch, backpropagated; returns its value. Each term is
+    normalized over the whole batch (steps, or rubric tokens), so the memory knob `micro_batch` does not
+    change it. Plumbing as in policy_sft_backward (and arco.rubric_update): the batch's common beginning
+    once (SharedPrefix), the rest in packed parts; both heads from the same pass (Eq. 2's pooled vector,
+    the rubric tokens' log-probs). The same loss and gradient as rubric_sft_loss (tested)."""
+    from rubric_model import SharedPrefix, packed_steps
+    contexts, rubrics, targets = rubric_items(mu, items)
+    has_text = mu.rubric_mode not in ("static", "none")        # App. B: no rubric text target for these
+    seqs = mu.scoring_ids(contexts, rubrics)
+    lens = [len(r.token_ids) if has_text else 0 for r in rubrics]
+    n = len(items)
+    text_div = n if token_reduction == "sum" else max(1, sum(lens))     # Σ_i over a rubric, or a token mean
+    score_div = n if token_reduction == "sum" else n * mu.k            # Σ_j over the K scores, or a mean
+    root = SharedPrefix(mu.backbone, seqs, [m + 1 for m in lens], detach=True)
+    total = 0.0
+    for part in _micro(list(range(n)), micro_batch):
+        outs = packed_steps(mu.backbone, [seqs[i] for i in part], [lens[i] for i in part], root)
+        d = mu.head(torch.stack([o.hidden_sum / o.length for o in outs]))                    # Eq. 2
+        loss = lam * ((d.float() - targets[part]) ** 2).sum() / score_div
+        if has_text:
+            loss = loss - torch.stack([o.logprobs.sum() for o in outs]).sum() / text_div
+        loss.backward()
+        total += float(loss.detach())
+    root.backward_prefix()
+    return total
+
+
 def rubric_sft_terms(mu, items: Sequence[dict], lam: float, batch_size: int = 8, token_reduction: str = "sum") -> dict:
     """The two terms of Eq. 7, averaged over `items`, without gradients (to show μ SFT lowers both)."""
     text = score = 0.0
@@ -1292,10 +1330,7 @@ def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr:
         for b in tqdm(_shuffled_batches(len(items), batch_size, rng), desc=f"μ SFT epoch {epoch + 1}/{epochs}",
                       disable=not progress, leave=False):
             opt.zero_grad(set_to_none=True)
-            for part in _micro(b, micro_batch):
-                loss = rubric_sft_loss(mu, [items[i] for i in part], lam, token_reduction)[0] * len(part) / len(b)
-                loss.backward()
-                total += float(loss.detach()) * len(b)
+            total += rubric_sft_backward(mu, [items[i] for i in b], lam, micro_batch, token_reduction) * len(b)
             opt.step()
             schedule.step()
         losses.append(total / max(len(items), 1))

@@ -8,14 +8,15 @@ running the code.
 import json
 import math
 import random
+import types
 
 import numpy as np
 import pytest
 
 import env
-from evaluate import (auc, best_threshold, binding_item, cohen_kappa, judge_stats, mean_ci,
+from evaluate import (auc, best_threshold, binding_item, cohen_kappa, crossfit_judge, judge_stats, mean_ci,
                       proportion_ci, redundancy, redundancy_summary,
-                      spearman, step_usefulness)
+                      spearman, step_count_reference, step_usefulness)
 
 
 # --------------------------------------------------------------------------- AUC
@@ -111,6 +112,33 @@ def test_best_threshold_separable_and_ends():
     assert best_threshold([0.5, 0.5, 0.5, 0.9], [0, 0, 1, 1]) == pytest.approx(0.7)
     with pytest.raises(ValueError):
         best_threshold([], [])
+
+
+def test_crossfit_judge_fits_each_fold_on_the_other():
+    # fold 0: sums 1 (fail), 3 (pass); fold 1: sums 2 (fail), 5 (pass), 4 (fail).
+    # Fitted on fold 1 (2 neg, 4 neg, 5 pos): thresholds -inf 1/3, 3 (2 fails) 2/3, 4.5 3/3, +inf 2/3 -> 4.5;
+    #   fold 0 judged with 4.5: 1 fails (right), 3 fails (a false fail).
+    # Fitted on fold 0 (1 neg, 3 pos): -inf 1/2, 2 2/2, +inf 1/2 -> 2;
+    #   fold 1 judged with 2: 2 fails (right), 5 passes (right), 4 passes (a false pass).
+    # Pooled: tp 1 (5), fp 1 (4), fn 1 (3), tn 2 (1, 2): false-pass 1/3, false-fail 1/2, agreement 3/5.
+    j = crossfit_judge([1, 3, 2, 5, 4], [False, True, False, True, False], [0, 0, 1, 1, 1])
+    assert j["threshold"] == [pytest.approx(4.5), pytest.approx(2.0)]
+    assert (j["true_pass"], j["false_pass"], j["false_fail"], j["true_fail"]) == (1, 1, 1, 2)
+    assert j["false_pass_rate"] == pytest.approx(1 / 3) and j["agreement"] == pytest.approx(0.6)
+
+
+def test_step_count_reference_takes_the_better_direction():
+    # Trajectory A has 1 step (useful), B has 3 steps (useless, useful, useless).
+    # By count, scores -1 (A's step) and -3 (B's three): positives {-1, -3}, negatives {-3, -3};
+    #   pairs: (-1 vs -3) win x2, (-3 vs -3) tie x2 -> (2 + 1) / 4 = 0.75 (better direction already).
+    # By position, scores -t: A 0; B 0, -1, -2. Positives {0 (A), -1}, negatives {0 (B), -2}:
+    #   (0 vs 0) tie, (0 vs -2) win, (-1 vs 0) loss, (-1 vs -2) win -> 2.5 / 4 = 0.625.
+    trajs = [types.SimpleNamespace(steps=[0]), types.SimpleNamespace(steps=[0, 0, 0])]
+    ref = step_count_reference(trajs, [[True], [False, True, False]])
+    assert ref == {"auc_step_count": pytest.approx(0.75), "auc_step_position": pytest.approx(0.625)}
+    # Reversed labels give AUCs of 1 minus these, and the reference reports the better direction again.
+    flipped = step_count_reference(trajs, [[False], [True, False, True]])
+    assert flipped == {"auc_step_count": pytest.approx(0.75), "auc_step_position": pytest.approx(0.625)}
 
 
 # --------------------------------------------------------------------------- Spearman

@@ -101,6 +101,37 @@ def test_trajectory_scores_by_type_by_hand():
 
 # ----------------------------------------------------------------------------- comparison
 
+def test_paired_difference_by_hand():
+    # questions a, b, c in both; d only after (left out). Differences (after − before, EM %):
+    # a 100 − 0 = 100, b 100 − 100 = 0, c 0 − 100 = −100 → mean 0; sd = sqrt((100² + 0 + 100²) / 2) = 100;
+    # half-width 1.96 · 100 / √3 = 113.16
+    d = ev.paired_difference({"a": 0.0, "b": 100.0, "c": 100.0}, {"a": 100.0, "b": 100.0, "c": 0.0, "d": 100.0})
+    assert d == pytest.approx({"n": 3, "delta_em": 0.0, "half_width": 1.96 * 100 / 3 ** 0.5})
+    assert ev.paired_difference({"a": 0.0}, {"b": 100.0}) is None
+
+
+def test_method_rows_pool_the_seeds_of_each_method(tmp_path):
+    # Two seeds of one method on different questions: seed 0 goes 0,0 → 100,100 (q1, q2), seed 1 goes
+    # 100,0 → 100,100 (q3, q4). Pooled differences 100, 100, 0, 100: mean 75, sd = sqrt((3·25² + 75²)/3) = 50,
+    # half-width 1.96·50/2 = 49. EM of the runs: 100 and 100 → 100 ± 0; SFT-only EM 0 and 50 → 25.
+    runs, rows = [], []
+    for seed, before, after in ((0, {"q1": 0, "q2": 0}, {"q1": 1, "q2": 1}), (1, {"q3": 1, "q4": 0}, {"q3": 1, "q4": 1})):
+        folder = tmp_path / f"arco-s{seed}"
+        (folder / "traces").mkdir(parents=True)
+        for epoch, em in ((0, before), (2, after)):
+            (folder / "traces" / f"eval_epoch_{epoch}.jsonl").write_text(
+                "".join(json.dumps({"id": q, "reward": r}) + "\n" for q, r in em.items()))
+        runs.append(ev.Run(folder, folder.name, {}, "epoch_2", 2, True, tmp_path))
+        rows.append({"system": folder.name, "run": str(folder), "reward": "arco", "rubric": "adaptive", "k": 3,
+                     "em": 100.0, "f1": 100.0})
+    rows.append({"system": "SFT only", "em": 0.0, "f1": 0.0})                  # a warmup row: no run, left out
+    (m,) = ev.method_rows(rows, runs)
+    assert (m["method"], m["runs"], m["em"], m["em_spread"], m["sft_only_em"]) == ("ARCO", 2, 100.0, 0.0, 25.0)
+    assert m["vs_sft_only"] == pytest.approx({"n": 4, "delta_em": 75.0, "half_width": 49.0})
+    assert [ev.method_of(r) for r in ({"reward": "outcome"}, {"reward": "arco", "rubric": "none", "k": 3},
+                                      {"reward": "arco", "rubric": "adaptive", "k": 5})] == \
+        ["outcome RL", "ARCO w/o Rubric", "ARCO K=5"]
+
 def test_comparison_of_two_runs_reuses_their_own_evaluations(runs, monkeypatch, capsys):
     no_evaluation(monkeypatch)
     arco_dir, outcome_dir = runs / "arco", runs / "outcome"
@@ -130,11 +161,17 @@ def test_comparison_of_two_runs_reuses_their_own_evaluations(runs, monkeypatch, 
     md = (arco_dir / "comparison.md").read_text()
     assert md in out + "\n"                                                   # the printed table is the file
     a = rows["arco"]
-    header = ("| system | checkpoint | n | EM | F1 | searches / q | invalid steps % | "
+    header = ("| system | checkpoint | n | EM | F1 | Δ EM vs SFT only ± 95% | searches / q | invalid steps % | "
               + " | ".join(f"{t} EM / F1" for t in comp["types"]) + " |")
     assert header in md.splitlines()
-    assert (f"| arco | epoch_2 (selected) | 3 | {a['em']:.1f} | {a['f1']:.1f} | {a['mean_searches']:.2f} | "
+    d = a["vs_sft_only"]                       # paired with the run's own epoch 0 on the same 3 questions
+    before = {r["id"]: r["reward"] for r in read_jsonl(arco_dir / "traces" / "eval_epoch_0.jsonl")}
+    after = {r["id"]: r["reward"] for r in read_jsonl(arco_dir / "traces" / "eval_epoch_2.jsonl")}
+    assert d["n"] == 3 and d["delta_em"] == pytest.approx(100 * sum(after[q] - before[q] for q in before) / 3)
+    assert (f"| arco | epoch_2 (selected) | 3 | {a['em']:.1f} | {a['f1']:.1f} | "
+            f"{d['delta_em']:+.1f} ± {d['half_width']:.1f} (n 3) | {a['mean_searches']:.2f} | "
             f"{100 * a['invalid_rate']:.1f} |") in md
+    assert [m["method"] for m in comp["methods"]] == ["ARCO", "outcome RL"] and "By method" in md
     assert md.index("| base |") < md.index("| SFT only |") < md.index("| arco |") < md.index("| outcome |")
     assert f"comparison table: {arco_dir / 'comparison.md'}" in out
     assert not (outcome_dir / "comparison.md").exists()
@@ -311,6 +348,9 @@ def test_diagnose_credit_assignment_on_heldout_oracle_trajectories(diagnosed, ru
     assert 0 < h["useful_steps"] < h["steps"]                                  # both classes present
     assert h["auc_length_vs_R"] == ev.auc([len(t.steps) for t in trajs], [t.reward == 1 for t in trajs])
     assert f"the number of steps alone has AUC {h['auc_length_vs_R']:.3f} for R" in (run / "diagnostics.md").read_text()
+    by_count = ev.auc([-len(t.steps) for t in trajs for _ in t.steps], [y for lt in labels for y in lt])
+    assert h["auc_step_count"] == max(by_count, 1 - by_count)
+    assert f"how many steps the trajectory has reaches {h['auc_step_count']:.3f}" in (run / "diagnostics.md").read_text()
     stages = d["credit"]["stages"]
     assert [(s["stage"], s["x"]) for s in stages] == [("untrained", -1), ("warmup", 0), ("epoch_1", 1), ("epoch_2", 2)]
     assert stages[1]["model"] == str(runs / "warmup" / "mu_sft")
@@ -326,6 +366,9 @@ def test_diagnose_credit_assignment_on_heldout_oracle_trajectories(diagnosed, ru
         assert j["true_pass"] + j["false_fail"] == h["reward_1"]
         assert j["false_pass"] + j["true_fail"] == 6 - h["reward_1"]
         assert 0 <= j["agreement"] <= 1 and (s["spearman_sum_vs_f1"] is None or -1 <= s["spearman_sum_vs_f1"] <= 1)
+        c = s["judge_crossfit"]                     # every stage, folds by question (3 questions x 2 samples)
+        assert c["n"] == 6 and len(c["threshold"]) == 2
+        assert c["true_pass"] + c["false_fail"] == h["reward_1"]
     assert [s["stage"] for s in stages if "judge_fitted" in s] == ["epoch_2"] == [d["credit"]["selected_stage"]]
     fitted = stages[3]["judge_fitted"]
     rows = read_jsonl(run / "traces" / "epoch_2.jsonl")
@@ -399,12 +442,14 @@ def test_diagnose_redundancy_per_run_compares_k(diagnosed, runs):
 def test_diagnose_plots_page_and_printed_paths(diagnosed, runs):
     run, d, out, _ = diagnosed
     from matplotlib.image import imread
-    for png in ("dev_em.png", "bucket_scores.png", "credit_auc.png"):
+    for png in ("dev_em.png", "train_reward.png", "bucket_scores.png", "credit_auc.png"):
         assert imread(str(run / png)).shape == (400, 640, 4)
         assert f"{png}: {run / png}" in out
     figs = d["figures"]
     assert figs["dev_em.png"]["arco-k7"] == [[e, r["em"]] for e, r in sorted(evals_of(run).items())]
     assert [x for x, _ in figs["dev_em.png"]["outcome"]] == [0, 1]
+    updates = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "update"]
+    assert figs["train_reward.png"]["arco-k7"] == [[i, r["mean_R"]] for i, r in enumerate(updates, 1)]
     rows = read_jsonl(run / "traces" / "epoch_2.jsonl")
     terminal = [r["steps"][-1]["s"] for r in rows]
     first = [r["steps"][0]["s"] for r in rows if len(r["steps"]) > 1]

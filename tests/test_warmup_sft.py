@@ -98,6 +98,59 @@ def test_policy_and_rubric_sft_lower_their_losses(tiny_dir, tmp_path, retriever)
         assert after[term] < before[term] and losses[-1] < losses[0], (lam, before, after, losses)
 
 
+def test_pi_sft_backward_is_the_plain_token_mean(tiny_dir, tmp_path, retriever):
+    """The shared-prefix, packed π SFT pass gives the loss and the LoRA gradient of the plain definition:
+    −Σ log p(target tokens) / (target tokens in the batch), one ordinary pass per sequence; whatever the
+    micro-batch."""
+    import env
+    examples = env.load_split("synthetic", "train", size=3, seed=0)
+    warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=1, K=3, progress=False)
+    pi_examples = warmup.policy_sft_examples(warmup.read_jsonl(tmp_path / "records.jsonl"))[:5]
+    pi = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
+    rm.add_lora(pi)
+    torch.manual_seed(0)
+    for p in rm.trainable_parameters(pi.model):           # B ≠ 0, so that A's gradient is not zero
+        p.data.normal_(0, 0.05)
+    batch = [(rm.chat_prompt_ids(pi.tokenizer, ex["messages"]), rm.encode_response(pi, ex["target"]))
+             for ex in pi_examples]
+    params = rm.trainable_parameters(pi.model)
+    lp = rm.sequence_logprobs(pi, [p for p, _ in batch], [r for _, r in batch])
+    plain = -lp.logprobs.sum() / lp.mask.sum()
+    want = torch.autograd.grad(plain, params)
+    for micro in (1, 2, 5):
+        for p in params:
+            p.grad = None
+        got = warmup.policy_sft_backward(pi, batch, micro)
+        assert got == pytest.approx(float(plain.detach()), rel=1e-5)
+        for g, p in zip(want, params):
+            torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode,reduction", [("adaptive", "sum"), ("adaptive", "mean"), ("none", "sum")])
+def test_rubric_sft_backward_is_rubric_sft_loss(tiny_dir, tmp_path, retriever, mode, reduction):
+    """The shared-prefix, packed μ SFT pass gives Eq. 7's loss and gradient (LoRA and score head) as
+    rubric_sft_loss computes them on the whole batch in one padded pass; whatever the micro-batch."""
+    import env
+    examples = env.load_split("synthetic", "train", size=2, seed=0)
+    warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=2, K=3, progress=False)
+    items = warmup.rubric_sft_examples(warmup.filter_records(warmup.read_jsonl(tmp_path / "records.jsonl"), 3)[0])[:5]
+    torch.manual_seed(0)
+    mu = rm.RubricModel(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), k=3, rubric_mode=mode)
+    rm.add_lora(mu.backbone)
+    for p in rm.trainable_parameters(mu.backbone.model):
+        p.data.normal_(0, 0.05)
+    params = [p for g in mu.parameter_groups(1.0, 1.0) for p in g["params"]]
+    loss = warmup.rubric_sft_loss(mu, items, 10.0, reduction)[0]
+    want = torch.autograd.grad(loss, params)
+    for micro in (1, 2, 5):
+        for p in params:
+            p.grad = None
+        got = warmup.rubric_sft_backward(mu, items, 10.0, micro, reduction)
+        assert got == pytest.approx(float(loss.detach()), rel=1e-5)
+        for g, p in zip(want, params):
+            torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+
+
 def test_pi_sft_keeps_the_epoch_with_the_best_dev_em(tiny_dir, tmp_path, retriever, monkeypatch):
     """π SFT keeps the best dev-EM epoch (EM ties: F1, then the earlier): here the evaluation is scripted
     to rank epoch 2 first, and the merged π gives exactly epoch 2's log-probs."""
