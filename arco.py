@@ -488,7 +488,10 @@ def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_coe
     """
     from rubric_model import (SharedPrefix, chat_prompt_ids, encode_response, packed_steps, reference, reference_logq,
                               token_passes)
-    steps = [(st, a) for t, a_t in zip(trajs, A) for st, a in zip(t.steps, a_t) if st.valid]     # V_τ
+    valid = [(st, a) for t, a_t in zip(trajs, A) for st, a in zip(t.steps, a_t) if st.valid]     # V_τ
+    # With λ_π = 0 a step whose advantage is 0 adds nothing to Eq. 3's value or gradient, so it is not
+    # computed (a sparse batch at a low success rate: every group whose samples all fail or all succeed).
+    steps = valid if kl_coef else [(st, a) for st, a in valid if a != 0.0]
     responses = [list(st.output_ids or encode_response(pi, st.output)) for st, _ in steps]
     seqs = [chat_prompt_ids(pi.tokenizer, st.prompt) + r for (st, _), r in zip(steps, responses)]
     lens = [len(r) for r in responses]
@@ -512,11 +515,16 @@ def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_coe
             total += float(loss.detach())
             kl_sum += sum(float(o.kl.detach().sum()) for o in outs) if kl_coef else 0.0
         root.backward_prefix()
+    if valid:
         check_finite("policy (Eq. 3)", total)
-        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for p in params:          # a zero gradient, as if the skipped steps had been computed: AdamW's
+            if p.grad is None:    # moments and weight decay then move exactly as they would have
+                p.grad = torch.zeros_like(p)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
     pi.model.eval()
-    return {"policy_loss": total, "kl_pi": kl_sum / max(sum(lens), 1), "policy_steps": len(steps)}
+    return {"policy_loss": total, "kl_pi": kl_sum / max(sum(lens), 1), "policy_steps": len(valid)}
 
 
 def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:

@@ -87,6 +87,35 @@ def test_policy_update_matches_a_hand_computation_with_the_kl_term(tiny_dir):
     assert kl_grad.norm() > 1e-6 and all(p.grad is None or not p.grad.any() for p in params)
 
 
+def test_policy_update_skips_zero_advantage_steps_only_when_nothing_changes(tiny_dir, monkeypatch):
+    """With λ_π = 0, steps whose advantage is 0 are not computed, and the AdamW step (moments, weight
+    decay) lands where computing them lands: here against λ_π = 1e-30, which computes every step and
+    whose KL term vanishes next to Eq. 3's. With every A = 0 the step still happens (zero gradients)."""
+    trajs = scripted_batch()
+    args = arco.resolve_args(arco.Args(micro_batch=2, token_reduction="mean"))
+    computed = []
+    real = rm.packed_steps
+    monkeypatch.setattr(rm, "packed_steps", lambda bb, seqs, *a, **kw: computed.append(len(seqs)) or real(bb, seqs, *a, **kw))
+    after = {}
+    for A, kl in (([[0.5, 0.0], [0.0]], 0.0), ([[0.5, 0.0], [0.0]], 1e-30), ([[0.0, 0.0], [0.0]], 0.0)):
+        torch.manual_seed(0)
+        pi = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
+        perturb_lora(pi)
+        opt = torch.optim.AdamW(rm.trainable_parameters(pi.model), lr=1e-2, weight_decay=0.01)
+        computed.clear()
+        before = lora_state(pi)
+        out = arco.policy_update(pi, opt, trajs, A, args, kl)
+        assert out["policy_steps"] == 3                                  # V_τ, computed or not
+        after[(str(A), kl)] = (lora_state(pi), sum(computed), out["policy_loss"], before)
+    skipped, full, none = after.values()
+    assert (skipped[1], full[1], none[1]) == (1, 3, 0)
+    assert skipped[2] == pytest.approx(full[2], rel=1e-6) and none[2] == 0.0
+    for name, value in skipped[0].items():
+        torch.testing.assert_close(value, full[0][name], rtol=1e-5, atol=1e-7)
+    for name, value in none[0].items():     # zero gradients: AdamW moves by its weight decay alone
+        torch.testing.assert_close(value, none[3][name] * (1 - 1e-2 * 0.01), rtol=1e-6, atol=1e-9)
+
+
 def test_policy_update_raises_actions_with_positive_advantage_and_lowers_negative_ones(tiny_dir):
     """One real step (SGD, lr > 0, λ_π = 0.05): the adapter moves; log π of the action with A > 0 rises,
     that of the action with A < 0 falls (each from the same starting adapter)."""
