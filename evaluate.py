@@ -1141,6 +1141,23 @@ def method_of(row: dict) -> str:
                                                                                  else f" K={row['k']}")
 
 
+# Run arguments that tell seeds of one method apart (or only say where and how it ran), not its settings.
+NOT_SETTINGS = {"seed", "name", "out_dir", "resume", "dry_run", "benchmark", "device", "data_dir", "warmup_dir"}
+
+
+def split_by_settings(groups: dict[str, list[dict]], by_run: dict[str, Run]) -> dict[str, list[dict]]:
+    """Runs of one method whose settings differ (say --group-size) are not seeds of each other: each
+    setting gets its own group, labelled with the flags that tell the groups apart."""
+    out: dict[str, list[dict]] = {}
+    for method, members in groups.items():
+        settings = [{k: v for k, v in by_run[m["run"]].args.items() if k not in NOT_SETTINGS} for m in members]
+        differ = sorted({k for s in settings for k in s if any(t.get(k) != s[k] for t in settings)})
+        for member, s in zip(members, settings):
+            flags = ", ".join(f"--{k.replace('_', '-')} {s.get(k)}" for k in differ)
+            out.setdefault(f"{method} ({flags})" if differ else method, []).append(member)
+    return out
+
+
 def method_rows(rows: Sequence[dict], runs: Sequence[Run]) -> list[dict]:
     """One row per method over its runs (seeds): EM and F1 as mean ± half the range over the runs, the
     SFT-only EM of the same runs' dev questions (each run's epoch 0), and the paired difference to it
@@ -1150,6 +1167,7 @@ def method_rows(rows: Sequence[dict], runs: Sequence[Run]) -> list[dict]:
     for row in rows:
         if row.get("run"):
             groups[method_of(row)].append(row)
+    groups = split_by_settings(groups, by_run)
     out = []
     for method, members in groups.items():
         before, after, sft = {}, {}, []
