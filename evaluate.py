@@ -1143,6 +1143,10 @@ def method_of(row: dict) -> str:
 
 # Run arguments that tell seeds of one method apart (or only say where and how it ran), not its settings.
 NOT_SETTINGS = {"seed", "name", "out_dir", "resume", "dry_run", "benchmark", "device", "data_dir", "warmup_dir"}
+# What outcome RL never reads (no μ, no dense epoch): differences in these do not split its runs.
+UNUSED_BY_OUTCOME = {"sparse_epochs", "pi_lr_dense", "kl_pi_dense", "rubric", "k", "mu_model", "mu_lr", "head_lr",
+                     "kl_mu", "alpha", "bucket_fallback", "class_balance", "rubric_temperature", "max_new_tokens_mu",
+                     "mu_examples", "sft_epochs_mu", "sft_lr_mu", "sft_head_lr", "sft_batch_mu", "warmup_probe"}
 
 
 def split_by_settings(groups: dict[str, list[dict]], by_run: dict[str, Run]) -> dict[str, list[dict]]:
@@ -1150,7 +1154,8 @@ def split_by_settings(groups: dict[str, list[dict]], by_run: dict[str, Run]) -> 
     setting gets its own group, labelled with the flags that tell the groups apart."""
     out: dict[str, list[dict]] = {}
     for method, members in groups.items():
-        settings = [{k: v for k, v in by_run[m["run"]].args.items() if k not in NOT_SETTINGS} for m in members]
+        ignore = NOT_SETTINGS | (UNUSED_BY_OUTCOME if all(m.get("reward") == "outcome" for m in members) else set())
+        settings = [{k: v for k, v in by_run[m["run"]].args.items() if k not in ignore} for m in members]
         differ = sorted({k for s in settings for k in s if any(t.get(k) != s[k] for t in settings)})
         for member, s in zip(members, settings):
             flags = ", ".join(f"--{k.replace('_', '-')} {s.get(k)}" for k in differ)

@@ -134,19 +134,24 @@ def test_method_rows_pool_the_seeds_of_each_method(tmp_path):
 
 def test_method_rows_keep_runs_of_different_settings_apart(tmp_path):
     # Three outcome runs: seeds 1 and 2 at G = 4, seed 1 at G = 2. Only the G = 4 pair is pooled; each
-    # group is labelled with the flag that differs (the seed and the name do not count as settings).
+    # group is labelled with the flag that differs (the seed and the name do not count as settings, nor
+    # does a dense-epoch learning rate, which outcome RL never uses).
     runs, rows = [], []
-    for name, seed, group in (("a", 1, 4), ("b", 2, 4), ("c", 1, 2)):
+    for name, seed, group, dense_lr in (("a", 1, 4, 1e-4), ("b", 2, 4, 5e-5), ("c", 1, 2, 1e-4)):
         folder = tmp_path / name
         (folder / "traces").mkdir(parents=True)
         for epoch in (0, 1):
             (folder / "traces" / f"eval_epoch_{epoch}.jsonl").write_text(json.dumps({"id": "q", "reward": epoch}) + "\n")
-        args = {"reward": "outcome", "seed": seed, "name": name, "group_size": group, "pi_lr_sparse": 2e-4}
+        args = {"reward": "outcome", "seed": seed, "name": name, "group_size": group, "pi_lr_sparse": 2e-4,
+                "pi_lr_dense": dense_lr}
         runs.append(ev.Run(folder, name, args, "epoch_1", 1, True, tmp_path))
         rows.append({"system": name, "run": str(folder), "reward": "outcome", "em": 100.0, "f1": 100.0})
     got = {m["method"]: m["runs"] for m in ev.method_rows(rows, runs)}
     assert got == {"outcome RL (--group-size 4)": 2, "outcome RL (--group-size 2)": 1}
     assert [m["method"] for m in ev.method_rows(rows[:2], runs[:2])] == ["outcome RL"]
+    for row, run in zip(rows, runs):                      # as ARCO runs, the dense learning rate matters
+        row["reward"] = run.args["reward"] = "arco"
+    assert len(ev.method_rows(rows[:2], runs[:2])) == 2
 
 
 def test_comparison_of_two_runs_reuses_their_own_evaluations(runs, monkeypatch, capsys):
