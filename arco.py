@@ -138,8 +138,11 @@ class Args:
     gen_batch: int | None = field(default=None, metadata={"help": "prompts per generation batch (π and μ)"})
     mu_examples: int | None = field(default=None, metadata={"help": "worked examples in μ's rubric prompt, 0-2 "
                                                                       "(~200 tokens per step each)"})
-    warmup_size: int | None = field(default=None, metadata={"help": "warmup questions, the first of the training sample "
-                                                                     "(release 1,000)"})
+    warmup_size: int | None = field(default=None, metadata={"help": "warmup questions (release 1,000)"})
+    warmup_questions: str | None = field(default=None, metadata={
+        "help": "where the warmup's questions lie in the seeded training order: within (the first of RL's training "
+                "questions; release) or before (just before them, so RL starts on questions π was not fine-tuned on)",
+        "choices": ["within", "before"]})
     warmup_samples: int | None = field(default=None, metadata={"help": "warmup: teacher trajectories per question "
                                                                         "(release 3)"})
     warmup_probe: int | None = field(default=None, metadata={"help": "μ SFT items on which the warmup shows Eq. 7's "
@@ -152,6 +155,8 @@ class Args:
     sft_head_lr: float | None = field(default=None, metadata={"help": "warmup μ score-head learning rate (release 1e-3)"})
     sft_batch_pi: int | None = field(default=None, metadata={"help": "warmup π SFT examples per optimizer step (release 64)"})
     sft_batch_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT steps per optimizer step (release 32)"})
+    sft_questions_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT on the trajectories of the first "
+                                                                          "this many warmup questions (0 = all; release)"})
 
 
 # Presets: plain dicts. `paper` is the authors' release recipe for HotpotQA/Qwen (configs/hotpotqa/*.yaml and
@@ -164,17 +169,17 @@ PRESETS = {
                   token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0, pi_lr_sparse=1e-5,
                   pi_lr_dense=3e-6, mu_lr=1e-5, head_lr=5e-4, kl_pi_sparse=0.0, kl_pi_dense=0.05, kl_mu=0.05,
                   alpha=0.5, weight_decay=0.01, max_new_tokens_pi=64, max_new_tokens_mu=128, obs_chars=0,
-                  micro_batch=16, pass_tokens=8192, gen_batch=64, mu_examples=0, warmup_size=1000, warmup_samples=3, warmup_probe=32,
+                  micro_batch=16, pass_tokens=8192, gen_batch=64, mu_examples=0, warmup_size=1000, warmup_questions="within", warmup_samples=3, warmup_probe=32,
                   sft_epochs_pi=6, sft_epochs_mu=10, sft_lr_pi=1e-5, sft_lr_mu=5e-5, sft_head_lr=1e-3,
-                  sft_batch_pi=64, sft_batch_mu=32),
-    "cpu": dict(model="embedded", retriever="", retriever_pooling="mean", train_size=8, eval_size=20, epochs=2,
-                sparse_epochs=1, batch_size=8, group_size=2, sparse_baseline="group", bucket_fallback=True,
+                  sft_batch_pi=64, sft_batch_mu=32, sft_questions_mu=0),
+    "cpu": dict(model="embedded", retriever="", retriever_pooling="mean", train_size=8, eval_size=100, epochs=2,
+                sparse_epochs=1, batch_size=16, group_size=4, sparse_baseline="group", bucket_fallback=True,
                 class_balance=True, token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0,
-                pi_lr_sparse=1e-4, pi_lr_dense=5e-5, mu_lr=1e-4, head_lr=1e-3, kl_pi_sparse=0.0, kl_pi_dense=0.05,
+                pi_lr_sparse=2e-4, pi_lr_dense=1e-4, mu_lr=1e-4, head_lr=1e-3, kl_pi_sparse=0.0, kl_pi_dense=0.05,
                 kl_mu=0.05, alpha=0.5, weight_decay=0.01, max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300,
-                micro_batch=2, pass_tokens=1024, gen_batch=32, mu_examples=0, warmup_size=8, warmup_samples=2, warmup_probe=8,
-                sft_epochs_pi=3, sft_epochs_mu=2, sft_lr_pi=5e-4, sft_lr_mu=3e-4, sft_head_lr=1e-3,
-                sft_batch_pi=8, sft_batch_mu=8),
+                micro_batch=2, pass_tokens=1024, gen_batch=32, mu_examples=0, warmup_size=150, warmup_questions="before",
+                warmup_samples=2, warmup_probe=8, sft_epochs_pi=2, sft_epochs_mu=2, sft_lr_pi=5e-4, sft_lr_mu=3e-4,
+                sft_head_lr=1e-3, sft_batch_pi=16, sft_batch_mu=8, sft_questions_mu=8),
 }
 
 
@@ -199,7 +204,7 @@ def resolve_args(args: Args) -> Args:
                         f"{args.group_size}")
     if args.sparse_baseline == "group" and args.group_size < 2 and (args.sparse_epochs or args.reward == "outcome"):
         problems.append("--sparse-baseline group needs --group-size 2 or more (one sample is its own baseline: A = 0)")
-    if args.warmup_size > args.train_size:
+    if args.warmup_size > args.train_size and args.warmup_questions == "within":
         problems.append(f"--warmup-size {args.warmup_size} exceeds --train-size {args.train_size}")
     if problems:
         sys.exit("error: " + "; ".join(problems))
@@ -273,8 +278,10 @@ def describe_plan(args: Args, n_train: int) -> str:
                        if args.token_reduction == "mean" else "mean over steps of [Σ_i −log p(r̃_i) + 10 ‖d − ŝ‖²]"),
         f"  optimizer: AdamW, weight decay {args.weight_decay:g}; μ lr {args.mu_lr:g}, score head {args.head_lr:g}; "
         f"rubrics {'greedy' if not args.rubric_temperature else f'sampled at T {args.rubric_temperature:g}'}",
-        f"warmup: {args.warmup_size} questions × {args.warmup_samples} teacher trajectories; π SFT "
-        f"{args.sft_epochs_pi} epochs (lr {args.sft_lr_pi:g}, batch {args.sft_batch_pi}, best dev EM kept), μ SFT "
+        f"warmup: {args.warmup_size} questions ({'among' if args.warmup_questions == 'within' else 'apart from'} "
+        f"RL's) × {args.warmup_samples} teacher trajectories; π SFT {args.sft_epochs_pi} epochs (lr {args.sft_lr_pi:g}, "
+        f"batch {args.sft_batch_pi}, best dev EM kept), μ SFT on "
+        f"{f'the first {args.sft_questions_mu} questions' if args.sft_questions_mu else 'every question'}, "
         f"{args.sft_epochs_mu} epochs (lr {args.sft_lr_mu:g}, head {args.sft_head_lr:g}, batch {args.sft_batch_mu}, "
         f"last kept)"]
     return "\n".join(lines)
@@ -690,6 +697,27 @@ def ensure_warmup(args: Args) -> Path:
     return folder
 
 
+def training_questions(args: Args, warmup_dir: Path) -> list:
+    """Alg. 1's training set D: train_size questions of the seeded training order (env.sample). The warmup
+    (warmup.run_from_arco) takes the first warmup_size of the same order; `--warmup-questions within` starts
+    D there too (the release: its 1,000 warmup questions are among its 2,000); `before` leaves out every
+    question of the warmup's records, so RL's groups are not questions π memorised in SFT (at the `cpu`
+    scale those groups all agree, and A = 0)."""
+    import env
+    if args.warmup_questions == "within":
+        return env.load_split(args.dataset, "train", args.data_dir or None, args.train_size, args.seed)
+    taught = {r["id"] for path in warmup_dir.glob("records*.jsonl") for r in read_jsonl(path)}
+    order = env.load_split(args.dataset, "train", args.data_dir or None, args.warmup_size + args.train_size, args.seed)
+    questions = [q for q in order if q.id not in taught][:args.train_size]
+    if not questions:
+        sys.exit(f"error: the {args.dataset} training split has no question the warmup in {warmup_dir} did not "
+                 f"use; lower --warmup-size or pass --warmup-questions within")
+    if len(questions) < args.train_size:
+        print(f"[arco] note: {len(questions)} training questions besides the warmup's (asked {args.train_size})",
+              flush=True)
+    return questions
+
+
 def mu_folder(args: Args) -> str:
     from warmup import mu_dir_name
     return mu_dir_name(args.rubric, args.k, args.mu_model, args.model)
@@ -822,7 +850,7 @@ def run(args: Args) -> Path:
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2) + "\n")
 
     warmup_dir = ensure_warmup(args)
-    train = env.load_split(args.dataset, "train", args.data_dir or None, args.train_size, args.seed)
+    train = training_questions(args, warmup_dir)
     dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size, args.seed)
     retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
     torch.manual_seed(args.seed)                 # the fresh LoRA adapters' initialization
@@ -1068,8 +1096,7 @@ def benchmark(args: Args) -> dict:
     from rubric_model import chat_prompt_ids, encode_response, policy_act
     bench = Path(args.out_dir) / args.dataset / "benchmark"
     warmup_dir = ensure_warmup(args)
-    questions = env.load_split(args.dataset, "train", args.data_dir or None, args.train_size, args.seed)
-    questions = questions[:args.batch_size]
+    questions = training_questions(args, warmup_dir)[:args.batch_size]
     retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
     torch.manual_seed(args.seed)
     pi, mu = build_models(args, warmup_dir)

@@ -114,6 +114,8 @@ class Args:
     score_weight: float = field(default=10.0, metadata={"help": "λ of Eq. 7, the criterion-score loss weight (release: 10)"})
     sft_batch_pi: int = field(default=64, metadata={"help": "π SFT examples per optimizer step (release: 64)"})
     sft_batch_mu: int = field(default=32, metadata={"help": "μ SFT steps per optimizer step (release: 32)"})
+    sft_questions_mu: int = field(default=0, metadata={
+        "help": "μ SFT uses the trajectories of the first this many warmup questions (0 = all; release: all)"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay of both SFTs (release: 0.01)"})
     token_reduction: str = field(default="mean", metadata={
         "help": "Eq. 7: mean over tokens (and over the K scores; release) or sum (the paper's form)",
@@ -1462,9 +1464,14 @@ def write_json(path: Path, obj) -> None:
     tmp.replace(path)
 
 
-def summarize(records: Sequence[dict], run: dict, args: Args, teacher) -> tuple[dict, list[dict], list[dict]]:
+def summarize(records: Sequence[dict], examples: Sequence[env.Example], run: dict, args: Args,
+              teacher) -> tuple[dict, list[dict], list[dict]]:
     """(counts of the warmup set: rewards, evidence, drops by reason, SFT sizes, API usage; π SFT; μ SFT)."""
-    kept, dropped = filter_records(records, args.K, args.tol)
+    if args.sft_questions_mu:      # μ SFT costs ~10× π SFT per step: a laptop warmup teaches μ on fewer questions
+        first = {ex.id for ex in examples[:args.sft_questions_mu]}
+        kept, dropped = filter_records([r for r in records if r["id"] in first], args.K, args.tol)
+    else:
+        kept, dropped = filter_records(records, args.K, args.tol)
     pi_dropped = Counter()
     pi = policy_sft_examples(records, args.min_reward, args.require_evidence, pi_dropped)
     mu = rubric_sft_examples(kept)
@@ -1529,7 +1536,7 @@ def run(args: Args) -> Path:
                  f"rerun the same command to resume")
     wanted = {ex.id for ex in examples}
     records = [r for r in read_jsonl(out_dir / f"records{ks}.jsonl") if r["id"] in wanted and r["sample"] < args.samples]
-    summary, pi, mu = summarize(records, run_counts, args, teacher)
+    summary, pi, mu = summarize(records, examples, run_counts, args, teacher)
     for name, rows in ((f"policy_sft{ks}.jsonl", pi), (f"rubric_sft{ks}.jsonl", mu)):
         (out_dir / name).write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in rows), encoding="utf-8")
     write_json(out_dir / f"summary{ks}.json", summary)
@@ -1565,7 +1572,8 @@ def run_from_arco(a, out_dir: Path) -> Path:
                 samples=a.warmup_samples, K=a.k, out_dir=str(out_dir), model=a.model, mu_model=a.mu_model,
                 rubric_mode=a.rubric, device=a.device, sft_epochs_pi=a.sft_epochs_pi, sft_epochs_mu=a.sft_epochs_mu,
                 sft_lr_pi=a.sft_lr_pi, sft_lr_mu=a.sft_lr_mu, sft_head_lr=a.sft_head_lr,
-                sft_batch_pi=a.sft_batch_pi, sft_batch_mu=a.sft_batch_mu, weight_decay=a.weight_decay,
+                sft_batch_pi=a.sft_batch_pi, sft_batch_mu=a.sft_batch_mu, sft_questions_mu=a.sft_questions_mu,
+                weight_decay=a.weight_decay,
                 token_reduction=a.token_reduction, retriever=a.retriever, retriever_pooling=a.retriever_pooling,
                 micro_batch=a.micro_batch, max_new_tokens=a.max_new_tokens_pi, eval_size=a.eval_size,
                 obs_chars=a.obs_chars, gen_batch=a.gen_batch, mu_examples=a.mu_examples,

@@ -171,6 +171,20 @@ def test_oracle_on_synthetic(retriever, tmp_path):
         {"skipped_finished": 48}
 
 
+def test_mu_sft_takes_the_first_questions_when_capped(retriever, tmp_path):
+    """--sft-questions-mu N: μ's SFT items come from the first N warmup questions only; π's from all."""
+    examples = env.synthetic_examples(6, seed=5, split="train")
+    _, records = oracle_records(retriever, examples, tmp_path, k=2, K=3)
+    args = warmup.Args(dataset="synthetic", samples=2, sft_questions_mu=2)
+    summary, pi, mu = warmup.summarize(records, examples, {}, args, warmup.OracleTeacher())
+    assert {x["id"] for x in mu} == {ex.id for ex in examples[:2]}
+    assert {x["id"] for x in pi} == {ex.id for ex in examples}    # the oracle's gold trajectories all end R = 1 here
+    assert summary["mu_records_kept"] == 4 and summary["rubric_sft_examples"] == len(mu)
+    args.sft_questions_mu = 0
+    assert {x["id"] for x in warmup.summarize(records, examples, {}, args, warmup.OracleTeacher())[2]} == \
+        {ex.id for ex in examples}
+
+
 def test_oracle_width_K(retriever, tmp_path):
     examples = env.synthetic_examples(3, seed=6, split="train")
     for K in (1, 7):
