@@ -707,7 +707,7 @@ def training_questions(args: Args, warmup_dir: Path) -> list:
     if args.warmup_questions == "within":
         return env.load_split(args.dataset, "train", args.data_dir or None, args.train_size, args.seed)
     taught = {r["id"] for path in warmup_dir.glob("records*.jsonl") for r in read_jsonl(path)}
-    order = env.load_split(args.dataset, "train", args.data_dir or None, args.warmup_size + args.train_size, args.seed)
+    order = env.load_split(args.dataset, "train", args.data_dir or None, len(taught) + args.train_size, args.seed)
     questions = [q for q in order if q.id not in taught][:args.train_size]
     if not questions:
         sys.exit(f"error: the {args.dataset} training split has no question the warmup in {warmup_dir} did not "

@@ -130,3 +130,6 @@ def test_rl_questions_leave_out_the_warmups_unless_asked_within(tmp_path):
     a.warmup_questions = "before"          # a warmup of another sample: only its own questions are left out
     (tmp_path / "records.jsonl").write_text(f'{{"id": "{order[1].id}", "sample": 0}}\n')
     assert [q.id for q in arco.training_questions(a, tmp_path)] == [order[i].id for i in (0, 2, 3, 4, 5)]
+    (tmp_path / "records.jsonl").write_text("".join(f'{{"id": "{ex.id}", "sample": 0}}\n' for ex in order[:7]))
+    a.train_size = 1                      # a warmup larger than --warmup-size says (e.g. one made earlier)
+    assert [q.id for q in arco.training_questions(a, tmp_path)] == [order[7].id]
