@@ -244,7 +244,7 @@ def test_whole_loop_leaves_a_readable_run(tiny_run):
 
 def test_learning_rate_and_kl_switch_at_the_transition(tiny_run, tiny_dir, monkeypatch):
     """Sparse epochs update π with --pi-lr-sparse and λ_π = --kl-pi-sparse, dense ones with the dense
-    values (the cpu preset's 1e-4 / 0 and 5e-5 / 0.05); AdamW with the release's weight decay."""
+    values (the cpu preset's 2e-4 / 0 and 1e-4 / 0.05); AdamW with the release's weight decay."""
     seen = []
     real = arco.policy_update
 
@@ -254,7 +254,7 @@ def test_learning_rate_and_kl_switch_at_the_transition(tiny_run, tiny_dir, monke
         return real(pi, optimizer, trajs, A, args, kl_coef)
     monkeypatch.setattr(arco, "policy_update", spy)
     arco.main(tiny_args(tiny_dir, tiny_run, name="lr-switch", warmup_dir=tiny_run / "synthetic" / "warmup"))
-    assert seen == [(1e-4, 0.0, 0.01, 4), (1e-4, 0.0, 0.01, 4), (5e-5, 0.05, 0.01, 4)]
+    assert seen == [(2e-4, 0.0, 0.01, 4), (2e-4, 0.0, 0.01, 4), (1e-4, 0.05, 0.01, 4)]
 
 
 def test_a_warmup_made_with_another_retriever_is_refused(tiny_run, tiny_dir):
