@@ -140,8 +140,8 @@ class Args:
                                                                       "(~200 tokens per step each)"})
     warmup_size: int | None = field(default=None, metadata={"help": "warmup questions (release 1,000)"})
     warmup_questions: str | None = field(default=None, metadata={
-        "help": "where the warmup's questions lie in the seeded training order: within (the first of RL's training "
-                "questions; release) or before (just before them, so RL starts on questions π was not fine-tuned on)",
+        "help": "within: the warmup's questions are the first of RL's training questions (release); before: RL's "
+                "training questions leave out every question of the warmup's records (π was not fine-tuned on them)",
         "choices": ["within", "before"]})
     warmup_samples: int | None = field(default=None, metadata={"help": "warmup: teacher trajectories per question "
                                                                         "(release 3)"})

@@ -1146,7 +1146,8 @@ NOT_SETTINGS = {"seed", "name", "out_dir", "resume", "dry_run", "benchmark", "de
 # What outcome RL never reads (no μ, no dense epoch): differences in these do not split its runs.
 UNUSED_BY_OUTCOME = {"sparse_epochs", "pi_lr_dense", "kl_pi_dense", "rubric", "k", "mu_model", "mu_lr", "head_lr",
                      "kl_mu", "alpha", "bucket_fallback", "class_balance", "rubric_temperature", "max_new_tokens_mu",
-                     "mu_examples", "sft_epochs_mu", "sft_lr_mu", "sft_head_lr", "sft_batch_mu", "warmup_probe"}
+                     "mu_examples", "sft_epochs_mu", "sft_lr_mu", "sft_head_lr", "sft_batch_mu", "sft_questions_mu",
+                     "warmup_probe"}
 
 
 def split_by_settings(groups: dict[str, list[dict]], by_run: dict[str, Run]) -> dict[str, list[dict]]:

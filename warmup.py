@@ -1467,11 +1467,9 @@ def write_json(path: Path, obj) -> None:
 def summarize(records: Sequence[dict], examples: Sequence[env.Example], run: dict, args: Args,
               teacher) -> tuple[dict, list[dict], list[dict]]:
     """(counts of the warmup set: rewards, evidence, drops by reason, SFT sizes, API usage; π SFT; μ SFT)."""
-    if args.sft_questions_mu:      # μ SFT costs ~10× π SFT per step: a laptop warmup teaches μ on fewer questions
-        first = {ex.id for ex in examples[:args.sft_questions_mu]}
-        kept, dropped = filter_records([r for r in records if r["id"] in first], args.K, args.tol)
-    else:
-        kept, dropped = filter_records(records, args.K, args.tol)
+    # A μ SFT step costs 2–3× a π SFT example on CPU: a laptop warmup may teach μ on its first questions only.
+    first = {ex.id for ex in examples[:args.sft_questions_mu or len(examples)]}
+    kept, dropped = filter_records([r for r in records if r["id"] in first], args.K, args.tol)
     pi_dropped = Counter()
     pi = policy_sft_examples(records, args.min_reward, args.require_evidence, pi_dropped)
     mu = rubric_sft_examples(kept)
