@@ -1426,6 +1426,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     if not args.train_mu:
         return metrics
     if (out_dir / name / "config.json").is_file():
+        check_mu_questions(out_dir, name, args.sft_questions_mu)
         print(f"[warmup] μ SFT: reusing {out_dir / name}", flush=True)
         return metrics
     mu_backbone = load_backbone(args.mu_model or args.model, device=args.device)
@@ -1433,6 +1434,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     probe = list(mu_items[:args.probe_size])
     m = metrics.setdefault("mu", {}).setdefault(name, {})
     m["token_reduction"] = args.token_reduction
+    m["sft_questions_mu"] = args.sft_questions_mu
     m["mu_sft_terms_before"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
     m["mu_sft_loss_per_epoch"] = train_rubric_sft(mu, mu_items, args.sft_epochs_mu, args.sft_lr_mu,
                                                   args.sft_head_lr, args.score_weight, args.sft_batch_mu,
@@ -1512,6 +1514,17 @@ def check_retriever(folder: Path, retriever: str, pooling: str) -> None:
         if wanted["retriever"] != env.EMBEDDED_RETRIEVER or pooling != "mean":   # made before retriever.json
             raise env.DataError(f"the warmup in {folder} records no retriever (it predates retriever.json, so it "
                                 f"used {env.EMBEDDED_RETRIEVER}); this run asks for {wanted['retriever']}")
+
+
+def check_mu_questions(folder: Path, name: str, sft_questions_mu: int) -> None:
+    """A warmup μ is reused only by runs that ask for the μ SFT it had (--sft-questions-mu, kept in
+    metrics.json); otherwise RL would silently start from another μ. Warmups that predate the key pass."""
+    path = Path(folder) / "metrics.json"
+    made = json.loads(path.read_text()).get("mu", {}).get(name, {}) if path.is_file() else {}
+    if made.get("sft_questions_mu", sft_questions_mu) != sft_questions_mu:
+        raise env.DataError(f"the μ in {Path(folder) / name} was fine-tuned with --sft-questions-mu "
+                            f"{made['sft_questions_mu']}, this run asks for {sft_questions_mu}; pass the same, "
+                            f"another --warmup-dir, or delete {Path(folder) / name} to fine-tune μ again")
 
 
 def run(args: Args) -> Path:

@@ -133,3 +133,18 @@ def test_rl_questions_leave_out_the_warmups_unless_asked_within(tmp_path):
     (tmp_path / "records.jsonl").write_text("".join(f'{{"id": "{ex.id}", "sample": 0}}\n' for ex in order[:7]))
     a.train_size = 1                      # a warmup larger than --warmup-size says (e.g. one made earlier)
     assert [q.id for q in arco.training_questions(a, tmp_path)] == [order[7].id]
+
+
+def test_a_warmup_mu_is_reused_only_with_its_own_sft_questions(tmp_path):
+    """A warmup μ fine-tuned with --sft-questions-mu 8 is not silently reused by a run asking for 60."""
+    for name in ("pi_sft", "mu_sft"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    (tmp_path / "metrics.json").write_text('{"mu": {"mu_sft": {"sft_questions_mu": 8}}}')
+    a = args_of("--dataset", "synthetic", "--warmup-dir", str(tmp_path))
+    assert a.sft_questions_mu == 8 and arco.ensure_warmup(a) == tmp_path
+    a.sft_questions_mu = 60
+    with pytest.raises(env.DataError, match="--sft-questions-mu 8"):
+        arco.ensure_warmup(a)
+    a.reward = "outcome"                  # outcome RL needs no μ
+    assert arco.ensure_warmup(a) == tmp_path

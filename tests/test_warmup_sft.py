@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import env
 import rubric_model as rm
 import warmup
 
@@ -202,3 +203,6 @@ def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
     with torch.no_grad():
         scores = mu.score([ctx], [mu.rubric_from_criteria(["a", "b", "c"])])
     assert float(scores.s) == pytest.approx(float(scores.d.mean()))          # Eq. 2 after a reload
+    args.sft_questions_mu = 2           # a μ fine-tuned on other questions is not silently reused
+    with pytest.raises(env.DataError, match="--sft-questions-mu 0"):
+        warmup.run(args)
