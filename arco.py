@@ -50,6 +50,7 @@ from typing import Sequence
 
 import torch
 
+from evaluate import parse_args
 from warmup import dev_rank, read_jsonl   # read_jsonl tolerates a last line cut short by a kill (--resume)
 
 
@@ -1175,7 +1176,6 @@ def benchmark(args: Args) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from evaluate import parse_args
     args = resolve_args(parse_args(Args, argv, description=__doc__))
     if args.dry_run:
         print(describe_plan(args, args.train_size))

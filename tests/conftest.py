@@ -56,7 +56,7 @@ def tiny_dir(smol_dir, tmp_path_factory):
 
 class ChatServer:
     """A fake OpenAI-compatible API on 127.0.0.1 (a free port, a daemon thread), for the tests of the
-    warmup's OpenAI teacher and evaluate.py's judge. `respond(path, body, auth)` returns
+    warmup's OpenAI teacher and diagnostics.py's judge. `respond(path, body, auth)` returns
     (status, payload) or (status, payload, seconds to sleep before answering); `url` is the base URL
     the openai client takes."""
 

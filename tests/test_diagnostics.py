@@ -1,4 +1,4 @@
-"""Tests of the diagnostics statistics in evaluate.py (issue 6; paper RQ3 §4.4, RQ4 §4.5, and
+"""Tests of the diagnostics statistics in diagnostics.py (issue 6; paper RQ3 §4.4, RQ4 §4.5, and
 RubricForge's false-pass lens): AUC, κ, judge stats, threshold fitting, Spearman, confidence
 intervals, step-binding items, rubric redundancy and the synthetic credit labels.
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import env
-from evaluate import (auc, best_threshold, binding_item, cohen_kappa, crossfit_judge, judge_stats, mean_ci,
+from diagnostics import (auc, best_threshold, binding_item, cohen_kappa, crossfit_judge, judge_stats, mean_ci,
                       proportion_ci, redundancy, redundancy_summary,
                       spearman, step_count_reference, step_usefulness)
 
