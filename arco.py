@@ -50,8 +50,14 @@ from typing import Sequence
 
 import torch
 
+import env
+import warmup
 from evaluate import parse_args
-from warmup import dev_rank, read_jsonl   # read_jsonl tolerates a last line cut short by a kill (--resume)
+from rubric_model import (RubricModel, SharedPrefix, add_lora, chat_prompt_ids, contexts_from_trajectory,
+                          encode_response, last_hidden_states, load_backbone_checkpoint, merge_lora, packed_steps,
+                          pad_right, policy_act, reference, reference_logq, save_backbone, sequence_logprobs,
+                          token_passes, trainable_parameters)
+from warmup import dev_rank, mu_dir_name, read_jsonl   # read_jsonl tolerates a line cut short by a kill (--resume)
 
 
 @dataclass
@@ -446,7 +452,6 @@ def annotate(mu, trajs, args: Args) -> tuple[list, list, torch.Tensor, torch.Ten
     Returns the step contexts, the rubrics, d [N, K] and s [N] (no gradient), steps in
     trajectory order.
     """
-    from rubric_model import contexts_from_trajectory
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
     mu.eval()
     rubrics, scores = mu.annotate(contexts, args.rubric_temperature, args.max_new_tokens_mu, args.gen_batch)
@@ -494,8 +499,6 @@ def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_coe
     is packed so that every shared token is computed once (rubric_model.pack); passes of at most
     --pass-tokens tokens are backpropagated one by one (the terms of Eq. 3 add up).
     """
-    from rubric_model import (SharedPrefix, chat_prompt_ids, encode_response, packed_steps, reference, reference_logq,
-                              token_passes)
     valid = [(st, a) for t, a_t in zip(trajs, A) for st, a in zip(t.steps, a_t) if st.valid]     # V_τ
     # With λ_π = 0 a step whose advantage is 0 adds nothing to Eq. 3's value or gradient, so it is not
     # computed (a sparse batch at a low success rate: every group whose samples all fail or all succeed).
@@ -544,7 +547,6 @@ def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
     checkpointing: the same numbers, less memory).
     """
     from torch.utils.checkpoint import checkpoint
-    from rubric_model import SharedPrefix, packed_steps, reference, reference_logq, token_passes
     n_traj, n_steps = len(trajs), len(contexts)
     weights = class_weights([t.reward for t in trajs]) if args.class_balance else [1.0] * n_traj
     kl_divisor = n_traj if args.token_reduction == "mean" else n_steps
@@ -604,7 +606,6 @@ def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
 
 def evaluate_policy(pi, examples, args: Args, retriever) -> tuple[dict, list]:
     """Greedy dev evaluation (warmup.evaluate_policy): EM, F1, searches, invalid-step rate."""
-    import warmup
     return warmup.evaluate_policy(pi, examples, retriever, args.max_new_tokens_pi, args.obs_chars, args.gen_batch,
                                   args.max_searches)
 
@@ -613,7 +614,6 @@ def warmup_evaluation(warmup_dir: Path, args: Args) -> tuple[dict | None, list[d
     """The warmup's SFT-only dev evaluation, when it was made with this run's settings: epoch 0
     is then not evaluated again. (π at epoch 0 is π_sft plus a fresh LoRA whose B = 0, which
     adds exact zeros: greedy decoding gives the same trajectories; tests/test_arco.py checks it.)"""
-    import warmup
     path = warmup_dir / "metrics.json"
     metrics = json.loads(path.read_text()) if path.is_file() else {}
     wanted = warmup.eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars, args.gen_batch)
@@ -665,7 +665,6 @@ def save_checkpoint(folder: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: l
     """π's and μ's adapters (+ μ's score head), optimizer states and the metrics so far, as they
     are after `epoch` (or, with next_batch > 0, after batch next_batch − 1 of `epoch`: Ctrl-C).
     Written to a temporary folder, then renamed: a kill never leaves a half checkpoint."""
-    from rubric_model import save_backbone
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_backbone(pi, tmp / "pi")
@@ -686,7 +685,6 @@ def ensure_warmup(args: Args) -> Path:
     """π_sft/ and the μ this run needs (warmup.mu_dir_name) of the warmup (§3.2, App. B): the
     offline oracle warmup runs for whatever is missing. Runs that differ only in μ (the ablations,
     K, --mu-model) share one collection and one π SFT."""
-    import warmup
     folder = Path(args.warmup_dir or Path(args.out_dir) / args.dataset / "warmup")
     need = ["pi_sft"] + ([] if args.reward == "outcome" else [mu_folder(args)])
     warmup.check_retriever(folder, args.retriever, args.retriever_pooling)
@@ -706,7 +704,6 @@ def training_questions(args: Args, warmup_dir: Path) -> list:
     D there too (the release: its 1,000 warmup questions are among its 2,000); `before` leaves out every
     question of the warmup's records, so RL's groups are not questions π memorised in SFT (at the `cpu`
     scale those groups all agree, and A = 0)."""
-    import env
     if args.warmup_questions == "within":
         return env.load_split(args.dataset, "train", args.data_dir or None, args.train_size, args.seed)
     taught = {r["id"] for path in warmup_dir.glob("records*.jsonl") for r in read_jsonl(path)}
@@ -722,14 +719,12 @@ def training_questions(args: Args, warmup_dir: Path) -> list:
 
 
 def mu_folder(args: Args) -> str:
-    from warmup import mu_dir_name
     return mu_dir_name(args.rubric, args.k, args.mu_model, args.model)
 
 
 def build_models(args: Args, warmup_dir: Path):
     """π and μ from the warmup, each with a fresh LoRA on top of the merged SFT weights: the
     frozen references π_ref and μ_ref are the same modules with the adapter disabled."""
-    from rubric_model import RubricModel, add_lora, load_backbone_checkpoint, merge_lora
     pi, _ = load_backbone_checkpoint(warmup_dir / "pi_sft", device=args.device)
     if hasattr(pi.model, "peft_config"):
         merge_lora(pi)
@@ -749,7 +744,6 @@ def build_models(args: Args, warmup_dir: Path):
 def make_optimizers(pi, mu, args: Args):
     """AdamW for π's LoRA and for μ (its LoRA and score head, with their own learning rates), with the
     release's weight decay; π's learning rate is set per epoch (sparse or dense)."""
-    from rubric_model import trainable_parameters
     opt_pi = torch.optim.AdamW(trainable_parameters(pi.model), lr=args.pi_lr_sparse, weight_decay=args.weight_decay)
     opt_mu = torch.optim.AdamW(mu.parameter_groups(args.mu_lr, args.head_lr), weight_decay=args.weight_decay) \
         if mu is not None else None
@@ -765,8 +759,6 @@ def peak_rss_gib() -> float:
 def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, args: Args, retriever,
               run_dir: Path) -> dict:
     """One iteration of Algorithm 1 (lines 5–38) on one batch; appends its metrics and traces."""
-    import env
-    from rubric_model import policy_act
     torch.manual_seed(args.seed * 1_000_003 + epoch * 1009 + b)   # resumable: sampling seeded per batch
     row: dict = {"kind": "update", "epoch": epoch, "batch": b, "dense": dense}
     t0 = time.time()
@@ -840,7 +832,6 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
 
 def run(args: Args) -> Path:
     """Algorithm 1 end to end; returns the run folder."""
-    import env
     run_dir = Path(args.out_dir) / args.dataset / args.name
     ckpt_dir = run_dir / "checkpoints"
     if run_dir.exists() and not args.resume and (run_dir / "metrics.jsonl").exists():
@@ -932,7 +923,6 @@ def run(args: Args) -> Path:
 def resume_from(folder: Path, args: Args):
     """Rebuild π, μ and their optimizers as they were in a checkpoint; returns them with the
     epoch and batch to continue from and the evaluation history so far."""
-    from rubric_model import RubricModel, load_backbone_checkpoint
     pi, _ = load_backbone_checkpoint(folder / "pi", device=args.device)
     mu = RubricModel.load(folder / "mu", device=args.device) if (folder / "mu").is_dir() else None
     state = torch.load(folder / "optim.pt", weights_only=True)
@@ -1019,7 +1009,6 @@ def save_batch(path: Path, trajs) -> None:
 
 def load_batch(path: Path, examples) -> list:
     """save_batch's trajectories again, with the prompts π saw (rebuilt exactly as env.rollout makes them)."""
-    import env
     by_id = {ex.id: ex for ex in examples}
     trajs = []
     for row in read_jsonl(path):
@@ -1050,7 +1039,6 @@ def raw_rates(bb, n_seqs: int, length: int, response: int) -> dict:
     `length` tokens, no padding): a forward without the LM head (a score pass), a forward with the
     LM head on the last `response` positions (a reference pass), and that forward + backward (a
     training pass). What a phase would reach with no padding, no small batches and no overhead."""
-    from rubric_model import last_hidden_states, pad_right, sequence_logprobs, trainable_parameters
     gen = torch.Generator().manual_seed(0)
     seqs = torch.randint(100, bb.tokenizer.vocab_size - 100, (n_seqs, length), generator=gen).tolist()
     prompts, responses = [s[:length - response] for s in seqs], [s[length - response:] for s in seqs]
@@ -1095,8 +1083,6 @@ def benchmark(args: Args) -> dict:
     call in runs/<dataset>/benchmark/batch.jsonl: the oracle teacher's trajectories on the same questions
     (gold and imperfect ones, warmup.oracle_script), which hold the valid Search/Finish steps of a policy
     that works, whatever the preset's π does."""
-    import env
-    from rubric_model import chat_prompt_ids, encode_response, policy_act
     bench = Path(args.out_dir) / args.dataset / "benchmark"
     warmup_dir = ensure_warmup(args)
     questions = training_questions(args, warmup_dir)[:args.batch_size]
@@ -1118,11 +1104,9 @@ def benchmark(args: Args) -> dict:
                                                                            args.max_new_tokens_pi, args.gen_batch),
                                                     retriever, args.max_searches, args.obs_chars))
     if not (bench / "batch.jsonl").is_file():
-        import warmup
         oracle = warmup.OracleTeacher(seed=args.seed, obs_chars=args.obs_chars)
         save_batch(bench / "batch.jsonl", oracle.rollout([(q, i % 4) for i, q in enumerate(questions)], retriever)[0])
     trajs = load_batch(bench / "batch.jsonl", questions)
-    from rubric_model import contexts_from_trajectory
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
     _, rubrics, _, s = timed("μ rubrics + scores", lambda: annotate(mu, trajs, args))
     A, _ = advantages(trajs, s, True, args)
@@ -1180,7 +1164,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.dry_run:
         print(describe_plan(args, args.train_size))
         return
-    import env
     try:
         if args.benchmark:
             benchmark(args)

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import env
 from evaluate import parse_args
 
 
@@ -1443,15 +1444,13 @@ SAMPLE_STEP = StepContext(
 
 def contexts_from_trajectory(traj) -> list[StepContext]:
     """μ's view of every step of an env.Trajectory: h_t is the history before step t."""
-    from env import format_history
-    return [StepContext(traj.example.question, format_history(traj.steps[:t]), s.action_text(), s.searches_left)
+    return [StepContext(traj.example.question, env.format_history(traj.steps[:t]), s.action_text(), s.searches_left)
             for t, s in enumerate(traj.steps)]
 
 
 def scripted_trajectories(n: int, seed: int = 0):
     """Trajectories of a scripted agent on synthetic dev data: search the title of each
     supporting paragraph, then Finish with the gold answer."""
-    import env
     examples = env.load_split("synthetic", "dev", size=n, seed=seed)
     plans = {ex.question: [f"Search[{ex.paragraphs[i][0]}]" for i in ex.supporting] + [f"Finish[{ex.answers[0]}]"]
              for ex in examples}

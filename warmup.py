@@ -49,7 +49,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 import env
-from evaluate import normalize_answer, parse_args
+from evaluate import exact_match, f1_score, normalize_answer, parse_args
+from rubric_model import (RubricModel, SharedPrefix, StepContext, add_lora, chat_prompt_ids, encode_response,
+                          load_backbone, merge_lora, packed_steps, policy_act, save_backbone, trainable_parameters)
 
 
 @dataclass
@@ -1172,7 +1174,6 @@ def policy_sft_backward(pi, batch: Sequence[tuple[list[int], list[int]]], micro_
     prompt, over half of a synthetic prompt's tokens) runs through the decoder once (SharedPrefix), the
     rest in parts of `micro_batch` sequences, each part packed (rubric_model.pack); the same loss and
     gradient as one plain pass per sequence (tested)."""
-    from rubric_model import SharedPrefix, packed_steps
     seqs, lens = [p + r for p, r in batch], [len(r) for _, r in batch]
     root = SharedPrefix(pi, seqs, [n + 1 for n in lens], detach=True)
     tokens, total = sum(lens), 0.0
@@ -1205,7 +1206,6 @@ def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch
     """
     from tqdm import tqdm
     from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-    from rubric_model import add_lora, chat_prompt_ids, encode_response, merge_lora, trainable_parameters
     data = [(chat_prompt_ids(pi.tokenizer, ex["messages"]), encode_response(pi, ex["target"])) for ex in examples]
     add_lora(pi)
     opt = torch.optim.AdamW(trainable_parameters(pi.model), lr=lr, weight_decay=weight_decay)
@@ -1240,7 +1240,6 @@ def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch
 
 def rubric_items(mu, items: Sequence[dict]):
     """μ SFT items → (StepContext list, teacher Rubric list, projected scores [B, K])."""
-    from rubric_model import StepContext
     contexts = [StepContext(it["question"], it["prefix"], it["action"], it["searches_left"]) for it in items]
     rubrics = [mu.rubric_from_criteria(it["criteria"]) for it in items]
     targets = torch.tensor([it["scores"] for it in items], dtype=torch.float32, device=mu.backbone.device)
@@ -1277,7 +1276,6 @@ def rubric_sft_backward(mu, items: Sequence[dict], lam: float, micro_batch: int,
     change it. Plumbing as in policy_sft_backward (and arco.rubric_update): the batch's common beginning
     once (SharedPrefix), the rest in packed parts; both heads from the same pass (Eq. 2's pooled vector,
     the rubric tokens' log-probs). The same loss and gradient as rubric_sft_loss (tested)."""
-    from rubric_model import SharedPrefix, packed_steps
     contexts, rubrics, targets = rubric_items(mu, items)
     has_text = mu.rubric_mode not in ("static", "none")        # App. B: no rubric text target for these
     seqs = mu.scoring_ids(contexts, rubrics)
@@ -1321,7 +1319,6 @@ def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr:
     (as in the release, which has no validation split for μ) and its LoRA merged. Returns the mean
     loss of each epoch."""
     from tqdm import tqdm
-    from rubric_model import add_lora, merge_lora
     add_lora(mu.backbone)
     opt = torch.optim.AdamW(mu.parameter_groups(lr, head_lr), weight_decay=weight_decay)
     schedule = warmup_cosine(opt, epochs * math.ceil(len(items) / max(1, batch_size)))
@@ -1347,8 +1344,6 @@ def evaluate_policy(pi, examples: Sequence[env.Example], retriever, max_new_toke
     """Greedy dev evaluation of a policy: EM / F1 (official HotpotQA semantics; an unfinished
     trajectory scores 0), searches per question, invalid-step rate. Also the paper's Base and
     SFT-Only rows."""
-    from evaluate import exact_match, f1_score
-    from rubric_model import policy_act
     trajs = env.rollout(examples, policy_act(pi, 0.0, max_new_tokens, batch_size), retriever, max_searches,
                         obs_chars, progress=True)
     n = max(len(trajs), 1)
@@ -1392,7 +1387,6 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     """π SFT and μ SFT, the merged π_sft/ and μ_sft/ saved, and the dev evaluation of the base
     and the SFT-only policy (greedy) into metrics.json. A π_sft/ or μ folder already in
     out_dir (an earlier warmup of the same collection) is kept, not trained again."""
-    from rubric_model import RubricModel, load_backbone, save_backbone
     dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size or None, args.seed)
     old = json.loads((out_dir / "metrics.json").read_text()) if (out_dir / "metrics.json").is_file() else {}
     metrics: dict = {**old, "dataset": args.dataset, "dev_questions": len(dev)}

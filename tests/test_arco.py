@@ -95,7 +95,7 @@ def test_policy_update_skips_zero_advantage_steps_only_when_nothing_changes(tiny
     args = arco.resolve_args(arco.Args(micro_batch=2, token_reduction="mean"))
     computed = []
     real = rm.packed_steps
-    monkeypatch.setattr(rm, "packed_steps", lambda bb, seqs, *a, **kw: computed.append(len(seqs)) or real(bb, seqs, *a, **kw))
+    monkeypatch.setattr(arco, "packed_steps", lambda bb, seqs, *a, **kw: computed.append(len(seqs)) or real(bb, seqs, *a, **kw))
     after = {}
     for A, kl in (([[0.5, 0.0], [0.0]], 0.0), ([[0.5, 0.0], [0.0]], 1e-30), ([[0.0, 0.0], [0.0]], 0.0)):
         torch.manual_seed(0)
