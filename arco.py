@@ -688,8 +688,8 @@ def ensure_warmup(args: Args) -> Path:
     folder = Path(args.warmup_dir or Path(args.out_dir) / args.dataset / "warmup")
     need = ["pi_sft"] + ([] if args.reward == "outcome" else [mu_folder(args)])
     warmup.check_retriever(folder, args.retriever, args.retriever_pooling)
-    if args.reward != "outcome":
-        warmup.check_mu_questions(folder, mu_folder(args), args.sft_questions_mu)
+    for name in need[1:]:                     # μ's folder, when this run needs one
+        warmup.check_mu_questions(folder, name, args.sft_questions_mu)
     missing = [n for n in need if not (folder / n / "config.json").is_file()]
     if missing:
         print(f"[arco] {folder} has no {' or '.join(m + '/' for m in missing)}: running the offline oracle "

@@ -686,7 +686,7 @@ def bucket_mean_scores(rows: Iterable[dict]) -> dict[str, list[tuple[int, float]
 # --------------------------------------------------------------------------- runs: comparison and diagnostics (issue 6)
 # `python diagnostics.py --run DIR [--run DIR ...] [--diagnose]`. Reads what arco.py leaves in a run folder
 # (args.json, metrics.jsonl, traces/, checkpoints/, selection.json) and its warmup folder; loads models
-# (env, warmup, rubric_model, torch) only where an evaluation or a μ diagnostic needs them.
+# only where an evaluation or a μ diagnostic needs them.
 
 _METRICS = ("n", "em", "f1", "mean_searches", "invalid_rate", "finished_rate")
 
