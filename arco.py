@@ -160,6 +160,8 @@ class Args:
     sft_lr_pi: float | None = field(default=None, metadata={"help": "warmup π SFT learning rate (release 1e-5)"})
     sft_lr_mu: float | None = field(default=None, metadata={"help": "warmup μ SFT learning rate (release 5e-5)"})
     sft_head_lr: float | None = field(default=None, metadata={"help": "warmup μ score-head learning rate (release 1e-3)"})
+    sft_head_steps: int | None = field(default=None, metadata={
+        "help": "warmup: Adam steps fitting μ's score head alone after μ SFT (Eq. 7's score term; release 0)"})
     sft_batch_pi: int | None = field(default=None, metadata={"help": "warmup π SFT examples per optimizer step (release 64)"})
     sft_batch_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT steps per optimizer step (release 32)"})
     sft_questions_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT on the trajectories of the first "
@@ -178,7 +180,7 @@ PRESETS = {
                   alpha=0.5, weight_decay=0.01, max_new_tokens_pi=64, max_new_tokens_mu=128, obs_chars=0,
                   micro_batch=16, pass_tokens=8192, gen_batch=64, mu_examples=0, warmup_size=1000, warmup_questions="within", warmup_samples=3, warmup_probe=32,
                   sft_epochs_pi=6, sft_epochs_mu=10, sft_lr_pi=1e-5, sft_lr_mu=5e-5, sft_head_lr=1e-3,
-                  sft_batch_pi=64, sft_batch_mu=32, sft_questions_mu=0),
+                  sft_head_steps=0, sft_batch_pi=64, sft_batch_mu=32, sft_questions_mu=0),
     "cpu": dict(model="embedded", retriever="", retriever_pooling="mean", train_size=8, eval_size=100, epochs=2,
                 sparse_epochs=1, batch_size=16, group_size=4, sparse_baseline="group", bucket_fallback=True,
                 class_balance=True, token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0,
@@ -186,7 +188,7 @@ PRESETS = {
                 kl_mu=0.05, alpha=0.5, weight_decay=0.01, max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300,
                 micro_batch=2, pass_tokens=1024, gen_batch=32, mu_examples=0, warmup_size=150, warmup_questions="before",
                 warmup_samples=2, warmup_probe=8, sft_epochs_pi=2, sft_epochs_mu=2, sft_lr_pi=5e-4, sft_lr_mu=3e-4,
-                sft_head_lr=1e-3, sft_batch_pi=16, sft_batch_mu=8, sft_questions_mu=8),
+                sft_head_lr=1e-3, sft_head_steps=500, sft_batch_pi=16, sft_batch_mu=8, sft_questions_mu=8),
 }
 
 
@@ -290,7 +292,7 @@ def describe_plan(args: Args, n_train: int) -> str:
         f"batch {args.sft_batch_pi}, best dev EM kept), μ SFT on "
         f"{f'the first {args.sft_questions_mu} questions' if args.sft_questions_mu else 'every question'}, "
         f"{args.sft_epochs_mu} epochs (lr {args.sft_lr_mu:g}, head {args.sft_head_lr:g}, batch {args.sft_batch_mu}, "
-        f"last kept)"]
+        f"last kept){f', then {args.sft_head_steps} steps on the score head alone' if args.sft_head_steps else ''}"]
     return "\n".join(lines)
 
 
@@ -689,7 +691,8 @@ def ensure_warmup(args: Args) -> Path:
     need = ["pi_sft"] + ([] if args.reward == "outcome" else [mu_folder(args)])
     warmup.check_retriever(folder, args.retriever, args.retriever_pooling)
     for name in need[1:]:                     # μ's folder, when this run needs one
-        warmup.check_mu_questions(folder, name, args.sft_questions_mu)
+        warmup.check_mu_settings(folder, name, sft_questions_mu=args.sft_questions_mu,
+                                 sft_head_steps=args.sft_head_steps)
     missing = [n for n in need if not (folder / n / "config.json").is_file()]
     if missing:
         print(f"[arco] {folder} has no {' or '.join(m + '/' for m in missing)}: running the offline oracle "

@@ -113,6 +113,8 @@ class Args:
     sft_lr_pi: float = field(default=1e-5, metadata={"help": "π SFT LoRA learning rate (release: 1e-5)"})
     sft_lr_mu: float = field(default=5e-5, metadata={"help": "μ SFT LoRA learning rate (release: 5e-5)"})
     sft_head_lr: float = field(default=1e-3, metadata={"help": "μ SFT score-head learning rate (release: 1e-3)"})
+    sft_head_steps: int = field(default=0, metadata={
+        "help": "after μ SFT, Adam steps on Eq. 7's score term over the score head alone, backbone fixed (0 = release)"})
     score_weight: float = field(default=10.0, metadata={"help": "λ of Eq. 7, the criterion-score loss weight (release: 10)"})
     sft_batch_pi: int = field(default=64, metadata={"help": "π SFT examples per optimizer step (release: 64)"})
     sft_batch_mu: int = field(default=32, metadata={"help": "μ SFT steps per optimizer step (release: 32)"})
@@ -1339,6 +1341,37 @@ def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr:
     return losses
 
 
+def fit_score_head(mu, items: Sequence[dict], steps: int, lr: float, micro_batch: int = 8) -> list[float]:
+    """Eq. 7's score term minimized further over the score head φ alone, the backbone fixed: each
+    step's pooled vector h̄_t (Eq. 2, on the teacher's rubric; packed as in rubric_sft_backward)
+    computed once, then `steps` full-batch Adam steps on the squared error ‖g_φ(h̄_t) − ŝ_t‖² (mean over
+    steps × K). A choice of ours (README, "Where the paper is silent"): with a laptop's few hundred μ
+    SFT steps, the joint epochs leave the head near the targets' mean (it ranked even its own training
+    steps at AUC 0.65), while the pooled vectors already separate useful from useless steps. The same
+    objective as Eq. 7's λ-term, so the paper's minimizer is unchanged. Returns the term before and after."""
+    contexts, rubrics, targets = rubric_items(mu, items)
+    seqs = mu.scoring_ids(contexts, rubrics)
+    mu.eval()
+    with torch.no_grad():
+        root = SharedPrefix(mu.backbone, seqs, [1] * len(seqs))
+        pooled = torch.stack([o.hidden_sum / o.length for part in _micro(list(range(len(seqs))), micro_batch)
+                              for o in packed_steps(mu.backbone, [seqs[i] for i in part], [1] * len(part), root)])
+    opt = torch.optim.Adam(mu.head.parameters(), lr=lr)
+    mu.head.train()
+    losses = []
+    for _ in range(steps):
+        loss = ((mu.head(pooled).float() - targets) ** 2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    mu.head.eval()
+    with torch.no_grad():
+        losses.append(float(((mu.head(pooled).float() - targets) ** 2).mean()))
+    print(f"[warmup] μ score head fit: {steps} steps, squared error {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    return [losses[0], losses[-1]]
+
+
 def evaluate_policy(pi, examples: Sequence[env.Example], retriever, max_new_tokens: int, obs_chars: int,
                     batch_size: int = 16, max_searches: int | None = None) -> tuple[dict, list[env.Trajectory]]:
     """Greedy dev evaluation of a policy: EM / F1 (official HotpotQA semantics; an unfinished
@@ -1420,7 +1453,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     if not args.train_mu:
         return metrics
     if (out_dir / name / "config.json").is_file():
-        check_mu_questions(out_dir, name, args.sft_questions_mu)
+        check_mu_settings(out_dir, name, sft_questions_mu=args.sft_questions_mu, sft_head_steps=args.sft_head_steps)
         print(f"[warmup] μ SFT: reusing {out_dir / name}", flush=True)
         return metrics
     mu_backbone = load_backbone(args.mu_model or args.model, device=args.device)
@@ -1434,6 +1467,9 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
                                                   args.sft_head_lr, args.score_weight, args.sft_batch_mu,
                                                   args.seed, args.progress, args.micro_batch, args.weight_decay,
                                                   args.token_reduction)
+    m["sft_head_steps"] = args.sft_head_steps
+    if args.sft_head_steps:
+        m["mu_head_fit_error"] = fit_score_head(mu, mu_items, args.sft_head_steps, args.sft_head_lr)
     m["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
     mu.save(out_dir / name)
     metrics.update(m)                 # the last μ trained, also at the top level (as before variants)
@@ -1510,15 +1546,19 @@ def check_retriever(folder: Path, retriever: str, pooling: str) -> None:
                                 f"used {env.EMBEDDED_RETRIEVER}); this run asks for {wanted['retriever']}")
 
 
-def check_mu_questions(folder: Path, name: str, sft_questions_mu: int) -> None:
-    """A warmup μ is reused only by runs that ask for the μ SFT it had (--sft-questions-mu, kept in
-    metrics.json); otherwise RL would silently start from another μ. Warmups that predate the key pass."""
+def check_mu_settings(folder: Path, name: str, **asked) -> None:
+    """A warmup μ is reused only by runs that ask for the μ SFT it had (--sft-questions-mu,
+    --sft-head-steps, kept in metrics.json); otherwise RL would silently start from another μ. A key
+    a warmup predates passes, except sft_head_steps, which was 0 before it existed."""
     path = Path(folder) / "metrics.json"
     made = json.loads(path.read_text()).get("mu", {}).get(name, {}) if path.is_file() else {}
-    if made.get("sft_questions_mu", sft_questions_mu) != sft_questions_mu:
-        raise env.DataError(f"the μ in {Path(folder) / name} was fine-tuned with --sft-questions-mu "
-                            f"{made['sft_questions_mu']}, this run asks for {sft_questions_mu}; pass the same, "
-                            f"another --warmup-dir, or delete {Path(folder) / name} to fine-tune μ again")
+    for key, value in asked.items():
+        had = made.get(key, 0 if key == "sft_head_steps" else value)
+        if had != value:
+            flag = "--" + key.replace("_", "-")
+            raise env.DataError(f"the μ in {Path(folder) / name} was fine-tuned with {flag} {had}, this run asks "
+                                f"for {value}; pass the same, another --warmup-dir, or delete "
+                                f"{Path(folder) / name} to fine-tune μ again")
 
 
 def run(args: Args) -> Path:
@@ -1577,6 +1617,7 @@ def run_from_arco(a, out_dir: Path) -> Path:
                 samples=a.warmup_samples, K=a.k, out_dir=str(out_dir), model=a.model, mu_model=a.mu_model,
                 rubric_mode=a.rubric, device=a.device, sft_epochs_pi=a.sft_epochs_pi, sft_epochs_mu=a.sft_epochs_mu,
                 sft_lr_pi=a.sft_lr_pi, sft_lr_mu=a.sft_lr_mu, sft_head_lr=a.sft_head_lr,
+                sft_head_steps=a.sft_head_steps,
                 sft_batch_pi=a.sft_batch_pi, sft_batch_mu=a.sft_batch_mu, sft_questions_mu=a.sft_questions_mu,
                 weight_decay=a.weight_decay,
                 token_reduction=a.token_reduction, retriever=a.retriever, retriever_pooling=a.retriever_pooling,

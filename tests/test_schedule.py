@@ -135,16 +135,23 @@ def test_rl_questions_leave_out_the_warmups_unless_asked_within(tmp_path):
     assert [q.id for q in arco.training_questions(a, tmp_path)] == [order[7].id]
 
 
-def test_a_warmup_mu_is_reused_only_with_its_own_sft_questions(tmp_path):
-    """A warmup μ fine-tuned with --sft-questions-mu 8 is not silently reused by a run asking for 60."""
+def test_a_warmup_mu_is_reused_only_with_its_own_sft_settings(tmp_path):
+    """A warmup μ fine-tuned with --sft-questions-mu 8 is not silently reused by a run asking for 60,
+    nor one whose score head was not fitted alone (--sft-head-steps; a warmup without the key had 0)."""
     for name in ("pi_sft", "mu_sft"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text("{}")
-    (tmp_path / "metrics.json").write_text('{"mu": {"mu_sft": {"sft_questions_mu": 8}}}')
+    (tmp_path / "metrics.json").write_text('{"mu": {"mu_sft": {"sft_questions_mu": 8, "sft_head_steps": 500}}}')
     a = args_of("--dataset", "synthetic", "--warmup-dir", str(tmp_path))
-    assert a.sft_questions_mu == 8 and arco.ensure_warmup(a) == tmp_path
+    assert a.sft_questions_mu == 8 and a.sft_head_steps == 500 and arco.ensure_warmup(a) == tmp_path
     a.sft_questions_mu = 60
     with pytest.raises(env.DataError, match="--sft-questions-mu 8"):
         arco.ensure_warmup(a)
+    a.sft_questions_mu = 8
+    (tmp_path / "metrics.json").write_text('{"mu": {"mu_sft": {"sft_questions_mu": 8}}}')
+    with pytest.raises(env.DataError, match="--sft-head-steps 0"):
+        arco.ensure_warmup(a)
+    a.sft_head_steps = 0
+    assert arco.ensure_warmup(a) == tmp_path
     a.reward = "outcome"                  # outcome RL needs no μ
     assert arco.ensure_warmup(a) == tmp_path

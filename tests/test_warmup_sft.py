@@ -99,6 +99,24 @@ def test_policy_and_rubric_sft_lower_their_losses(tiny_dir, tmp_path, retriever)
         assert after[term] < before[term] and losses[-1] < losses[0], (lam, before, after, losses)
 
 
+def test_score_head_fit_lowers_eq7_score_term_and_moves_only_the_head(tiny_dir, tmp_path, retriever):
+    """--sft-head-steps: Adam on Eq. 7's score term over φ alone; the backbone's weights stay as they were."""
+    examples = env.load_split("synthetic", "train", size=3, seed=0)
+    warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=2, K=3, progress=False)
+    items = warmup.rubric_sft_examples(warmup.filter_records(warmup.read_jsonl(tmp_path / "records.jsonl"), 3)[0])
+    torch.manual_seed(0)
+    mu = rm.RubricModel(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), k=3)
+    backbone = {k: v.clone() for k, v in mu.backbone.model.state_dict().items()}
+    head = [p.clone() for p in mu.head.parameters()]
+    before = warmup.rubric_sft_terms(mu, items, 10.0, token_reduction="mean")["score_sq_error"]
+    first, last = warmup.fit_score_head(mu, items, steps=50, lr=1e-2)
+    after = warmup.rubric_sft_terms(mu, items, 10.0, token_reduction="mean")["score_sq_error"]
+    assert first == pytest.approx(before, rel=1e-4)          # the same term as Eq. 7's (release: mean over steps × K)
+    assert last == pytest.approx(after, rel=1e-4) and after < 0.5 * before
+    assert all(torch.equal(v, mu.backbone.model.state_dict()[k]) for k, v in backbone.items())
+    assert any(not torch.equal(a, b) for a, b in zip(head, mu.head.parameters()))
+
+
 def test_pi_sft_backward_is_the_plain_token_mean(tiny_dir, tmp_path, retriever):
     """The shared-prefix, packed π SFT pass gives the loss and the LoRA gradient of the plain definition:
     −Σ log p(target tokens) / (target tokens in the batch), one ordinary pass per sequence; whatever the
@@ -203,6 +221,11 @@ def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
     with torch.no_grad():
         scores = mu.score([ctx], [mu.rubric_from_criteria(["a", "b", "c"])])
     assert float(scores.s) == pytest.approx(float(scores.d.mean()))          # Eq. 2 after a reload
+    assert metrics["mu"]["mu_sft"]["sft_head_steps"] == 0 and "mu_head_fit_error" not in metrics["mu"]["mu_sft"]
+    args.sft_head_steps = 10            # a μ whose head was not fitted alone is not reused by a run asking for it
+    with pytest.raises(env.DataError, match="--sft-head-steps 0"):
+        warmup.run(args)
+    args.sft_head_steps = 0
     args.sft_questions_mu = 2           # a μ fine-tuned on other questions is not silently reused
     with pytest.raises(env.DataError, match="--sft-questions-mu 0"):
         warmup.run(args)
