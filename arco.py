@@ -53,10 +53,10 @@ import torch
 import env
 import warmup
 from evaluate import parse_args
-from rubric_model import (RubricModel, SharedPrefix, add_lora, chat_prompt_ids, contexts_from_trajectory,
-                          encode_response, last_hidden_states, load_backbone_checkpoint, merge_lora, packed_steps,
-                          pad_right, policy_act, reference, reference_logq, save_backbone, sequence_logprobs,
-                          token_passes, trainable_parameters)
+from rubric_model import (RUBRIC_MODES, RubricModel, SharedPrefix, add_lora, chat_prompt_ids,
+                          contexts_from_trajectory, encode_response, last_hidden_states, load_backbone_checkpoint,
+                          merge_lora, packed_steps, pad_right, policy_act, reference, reference_logq, save_backbone,
+                          sequence_logprobs, token_passes, trainable_parameters)
 from warmup import dev_rank, mu_dir_name, read_jsonl   # read_jsonl tolerates a line cut short by a kill (--resume)
 
 
@@ -83,7 +83,7 @@ class Args:
                                                   "choices": ["arco", "outcome"]})
     rubric: str = field(default="adaptive", metadata={"help": "μ variant (Table 2): adaptive, prefix-free (w/o Prefix), "
                                                                "static (w/o Adaptive), none (w/o Rubric)",
-                                                       "choices": ["adaptive", "prefix-free", "static", "none"]})
+                                                       "choices": list(RUBRIC_MODES)})
     k: int = field(default=3, metadata={"help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ..."})
     # The fields below default to the preset's value (None = take it from the preset). The README's table

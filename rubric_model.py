@@ -48,6 +48,9 @@ from torch import nn
 import env
 from evaluate import parse_args
 
+# μ's variants (§3.1, Table 2): adaptive (ARCO), prefix-free (w/o Prefix), static (w/o Adaptive), none (w/o Rubric).
+RUBRIC_MODES = ("adaptive", "prefix-free", "static", "none")
+
 
 @dataclass
 class Args:
@@ -61,9 +64,7 @@ class Args:
                                                             "for a CPU with native bf16, see CPU_AUTOCAST_DEFAULT), on, off",
                                                     "choices": ["auto", "on", "off"]})
     k: int = field(default=3, metadata={"help": "K, the number of criteria per step (RQ4 sweeps 1, 3, 5, 7, 9)"})
-    rubric_mode: str = field(default="adaptive", metadata={"help": "adaptive (ARCO), prefix-free (w/o Prefix), "
-                                                                   "static (w/o Adaptive) or none (w/o Rubric)",
-                                                           "choices": ["adaptive", "prefix-free", "static", "none"]})
+    rubric: str = field(default="adaptive", metadata={"help": "μ variant (RUBRIC_MODES)", "choices": list(RUBRIC_MODES)})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature of the rubric writer (0 = greedy)"})
     max_new_tokens: int = field(default=128, metadata={"help": "longest rubric, in tokens"})
     seed: int = field(default=0, metadata={"help": "torch seed for sampling and the score head's initialization"})
@@ -984,8 +985,6 @@ class ScoreHead(nn.Module):
         return torch.tanh(self.net(pooled.float()))                        # Eq. 2: d_t ∈ [−1, 1]^K
 
 
-RUBRIC_MODES = ("adaptive", "prefix-free", "static", "none")
-
 # The prompts are ours, written with the guidance of Appendix D: criteria should name the
 # entity, relation or missing evidence a search targets, and say when a step is judged as a
 # final answer. Two worked examples (earlier chat turns: a first-hop search and a finish)
@@ -1598,7 +1597,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.perf_counter()
     bb = load_backbone(args.model, args.device, args.dtype, args.autocast)
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s on {bb.device}", flush=True)
-    mu = RubricModel(bb, k=args.k, rubric_mode=args.rubric_mode)
+    mu = RubricModel(bb, k=args.k, rubric_mode=args.rubric)
     if args.parse_rate:
         from tqdm import tqdm
         contexts = [c for t in scripted_trajectories(args.parse_rate, args.seed) for c in contexts_from_trajectory(t)]

@@ -50,8 +50,9 @@ import torch
 
 import env
 from evaluate import exact_match, f1_score, normalize_answer, parse_args
-from rubric_model import (RubricModel, SharedPrefix, StepContext, add_lora, chat_prompt_ids, encode_response,
-                          load_backbone, merge_lora, packed_steps, policy_act, save_backbone, trainable_parameters)
+from rubric_model import (RUBRIC_MODES, RubricModel, SharedPrefix, StepContext, add_lora, chat_prompt_ids,
+                          encode_response, load_backbone, merge_lora, packed_steps, policy_act, save_backbone,
+                          trainable_parameters)
 
 
 @dataclass
@@ -62,10 +63,10 @@ class Args:
         "help": "folder with <dataset>/<split>.jsonl; else $ARCO_DATA_DIR, else a download"})
     split: str = field(default="train", metadata={
         "help": "split the warmup questions come from (with --check-gold: the split measured)"})
-    train_size: int = field(default=2000, metadata={
-        "help": "number of questions, a deterministic sample (paper: 2,000; 0 = all)"})
+    warmup_size: int = field(default=2000, metadata={
+        "help": "number of warmup questions, a deterministic sample of the training split (paper: 2,000; 0 = all)"})
     seed: int = field(default=0, metadata={"help": "seed of the question sample and of the oracle's imperfect trajectories"})
-    samples: int = field(default=4, metadata={"help": "k, trajectories sampled per question (oracle: sample 0 is the gold one)"})
+    warmup_samples: int = field(default=4, metadata={"help": "trajectories sampled per question (oracle: sample 0 is the gold one)"})
     temperature: float = field(default=1.0, metadata={
         "help": "sampling temperature of the API policy (release: 1.0, configs/hotpotqa/hotpotqa.yaml)"})
     teacher: str = field(default="oracle", metadata={
@@ -75,7 +76,7 @@ class Args:
         "help": "API model that acts as the policy (paper: gpt-4o-mini)"})
     teacher_rubric_model: str = field(default="gpt-4o-mini", metadata={
         "help": "API model that annotates whole trajectories with criteria and scores"})
-    K: int = field(default=3, metadata={"help": "criteria (and scores) per step (paper: 3)"})
+    k: int = field(default=3, metadata={"help": "criteria (and scores) per step (paper: 3)"})
     out_dir: str = field(default="", metadata={"help": "output folder; empty = runs/<dataset>/warmup"})
     max_retries: int = field(default=5, metadata={
         "help": "retries of an API call on HTTP 408/409/429/5xx, timeouts and connection errors"})
@@ -105,8 +106,8 @@ class Args:
     collect_only: bool = field(default=False, metadata={"help": "stop after collection and the SFT datasets"})
     model: str = field(default="embedded", metadata={"help": "π's backbone: 'embedded' (SmolLM2-135M-Instruct) or an HF id/folder"})
     mu_model: str = field(default="", metadata={"help": "μ's backbone; empty = the same as --model"})
-    rubric_mode: str = field(default="adaptive", metadata={
-        "help": "μ variant: adaptive, prefix-free, static, none", "choices": ["adaptive", "prefix-free", "static", "none"]})
+    rubric: str = field(default="adaptive", metadata={"help": "μ variant (rubric_model.RUBRIC_MODES)",
+                                                       "choices": list(RUBRIC_MODES)})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, ..."})
     sft_epochs_pi: int = field(default=6, metadata={"help": "π SFT epochs (release: 6)"})
     sft_epochs_mu: int = field(default=10, metadata={"help": "μ SFT epochs (release: 10)"})
@@ -125,10 +126,10 @@ class Args:
         "help": "Eq. 7: mean over tokens (and over the K scores; release) or sum (the paper's form)",
         "choices": ["mean", "sum"]})
     micro_batch: int = field(default=4, metadata={"help": "sequences per forward pass (gradients are accumulated)"})
-    max_new_tokens: int = field(default=64, metadata={"help": "π's max new tokens per action in the dev evaluation"})
+    max_new_tokens_pi: int = field(default=64, metadata={"help": "π's max new tokens per action in the dev evaluation"})
     eval_size: int = field(default=500, metadata={"help": "dev questions for the base / SFT-only evaluation and π SFT's "
                                                           "choice of epoch (paper: 500)"})
-    probe_size: int = field(default=32, metadata={"help": "μ SFT items on which Eq. 7's two terms are shown before/after"})
+    warmup_probe: int = field(default=32, metadata={"help": "μ SFT items on which Eq. 7's two terms are shown before/after"})
     train_mu: bool = field(default=True, metadata={"help": "also train μ (arco.py's outcome baseline needs only π)"})
     gen_batch: int = field(default=16, metadata={"help": "prompts per generation batch in the dev evaluation"})
     mu_examples: int = field(default=0, metadata={
@@ -1430,7 +1431,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         print(f"[warmup] evaluating the base policy ({args.model}) on {len(dev)} dev questions", flush=True)
 
         def dev_eval(policy):
-            return evaluate_policy(policy, dev, retriever, args.max_new_tokens, args.obs_chars, args.gen_batch)
+            return evaluate_policy(policy, dev, retriever, args.max_new_tokens_pi, args.obs_chars, args.gen_batch)
         metrics["base"], _ = dev_eval(pi)
         sft = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi, args.sft_batch_pi, args.seed,
                                args.progress, args.micro_batch, args.weight_decay, dev_eval)
@@ -1441,7 +1442,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         # The chosen epoch's evaluation is the SFT-only row (greedy: the merged weights decode the same).
         metrics["sft_only"], trajs = sft["best"]["scores"], sft["best"]["trajectories"]
         # What arco.py needs to take this evaluation as its epoch 0 instead of repeating it.
-        metrics["sft_only_settings"] = eval_settings(args.eval_size, args.seed, args.max_new_tokens, args.obs_chars,
+        metrics["sft_only_settings"] = eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars,
                                                      args.gen_batch)
         (out_dir / "eval_sft_only.jsonl").write_text("".join(json.dumps(t.to_dict(), ensure_ascii=False) + "\n"
                                                              for t in trajs), encoding="utf-8")
@@ -1449,7 +1450,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
               flush=True)
         del pi
         write_json(out_dir / "metrics.json", metrics)
-    name = mu_dir_name(args.rubric_mode, args.K, args.mu_model, args.model)
+    name = mu_dir_name(args.rubric, args.k, args.mu_model, args.model)
     if not args.train_mu:
         return metrics
     if (out_dir / name / "config.json").is_file():
@@ -1457,8 +1458,8 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         print(f"[warmup] μ SFT: reusing {out_dir / name}", flush=True)
         return metrics
     mu_backbone = load_backbone(args.mu_model or args.model, device=args.device)
-    mu = RubricModel(mu_backbone, k=args.K, rubric_mode=args.rubric_mode, examples=args.mu_examples)
-    probe = list(mu_items[:args.probe_size])
+    mu = RubricModel(mu_backbone, k=args.k, rubric_mode=args.rubric, examples=args.mu_examples)
+    probe = list(mu_items[:args.warmup_probe])
     m = metrics.setdefault("mu", {}).setdefault(name, {})
     m["token_reduction"] = args.token_reduction
     m["sft_questions_mu"] = args.sft_questions_mu
@@ -1501,7 +1502,7 @@ def summarize(records: Sequence[dict], examples: Sequence[env.Example], run: dic
     """(counts of the warmup set: rewards, evidence, drops by reason, SFT sizes, API usage; π SFT; μ SFT)."""
     # A μ SFT step costs 2–3× a π SFT example on CPU: a laptop warmup may teach μ on its first questions only.
     first = {ex.id for ex in examples[:args.sft_questions_mu or len(examples)]}
-    kept, dropped = filter_records([r for r in records if r["id"] in first], args.K, args.tol)
+    kept, dropped = filter_records([r for r in records if r["id"] in first], args.k, args.tol)
     pi_dropped = Counter()
     pi = policy_sft_examples(records, args.min_reward, args.require_evidence, pi_dropped)
     mu = rubric_sft_examples(kept)
@@ -1567,20 +1568,20 @@ def run(args: Args) -> Path:
         raise env.DataError(f"unknown dataset '{args.dataset}': choose one of {', '.join(env.DATASETS)}")
     out_dir = Path(args.out_dir or Path("runs") / args.dataset / "warmup")
     check_retriever(out_dir, args.retriever, args.retriever_pooling)
-    examples = env.load_split(args.dataset, args.split, args.data_dir or None, args.train_size or None, args.seed)
+    examples = env.load_split(args.dataset, args.split, args.data_dir or None, args.warmup_size or None, args.seed)
     teacher = make_teacher(args)
     retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
     write_json(out_dir / "args.json", dataclasses.asdict(args))
     write_json(out_dir / "retriever.json", {"retriever": args.retriever or env.EMBEDDED_RETRIEVER,
                                             "pooling": args.retriever_pooling})
-    ks = collection_suffix(args.K)
+    ks = collection_suffix(args.k)
     try:
-        run_counts = collect(examples, teacher, retriever, out_dir, args.samples, args.K, args.tol, args.progress)
+        run_counts = collect(examples, teacher, retriever, out_dir, args.warmup_samples, args.k, args.tol, args.progress)
     except KeyboardInterrupt:
         sys.exit(f"interrupted: every finished record is in {out_dir / f'records{ks}.jsonl'}; "
                  f"rerun the same command to resume")
     wanted = {ex.id for ex in examples}
-    records = [r for r in read_jsonl(out_dir / f"records{ks}.jsonl") if r["id"] in wanted and r["sample"] < args.samples]
+    records = [r for r in read_jsonl(out_dir / f"records{ks}.jsonl") if r["id"] in wanted and r["sample"] < args.warmup_samples]
     summary, pi, mu = summarize(records, examples, run_counts, args, teacher)
     for name, rows in ((f"policy_sft{ks}.jsonl", pi), (f"rubric_sft{ks}.jsonl", mu)):
         (out_dir / name).write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in rows), encoding="utf-8")
@@ -1600,31 +1601,22 @@ def run(args: Args) -> Path:
     if not pi or not mu:
         raise ValueError(f"nothing to fine-tune on: {len(pi)} π SFT and {len(mu)} μ SFT examples")
     m = run_sft(args, out_dir, pi, mu, retriever).get("mu", {}).get(
-        mu_dir_name(args.rubric_mode, args.K, args.mu_model, args.model))
+        mu_dir_name(args.rubric, args.k, args.mu_model, args.model))
     if m and "mu_sft_terms_after" in m:
-        print(f"μ SFT, Eq. 7 terms on {min(len(mu), args.probe_size)} items: text NLL "
+        print(f"μ SFT, Eq. 7 terms on {min(len(mu), args.warmup_probe)} items: text NLL "
               f"{m['mu_sft_terms_before']['text_nll']:.2f} -> {m['mu_sft_terms_after']['text_nll']:.2f}, score "
               f"error {m['mu_sft_terms_before']['score_sq_error']:.3f} -> "
               f"{m['mu_sft_terms_after']['score_sq_error']:.3f}")
-    print(f"written to {out_dir}/ (pi_sft/, {mu_dir_name(args.rubric_mode, args.K, args.mu_model, args.model)}/, "
+    print(f"written to {out_dir}/ (pi_sft/, {mu_dir_name(args.rubric, args.k, args.mu_model, args.model)}/, "
           f"metrics.json, records{ks}.jsonl, summary{ks}.json)")
     return out_dir
 
 
 def run_from_arco(a, out_dir: Path) -> Path:
-    """The offline oracle warmup with the settings of an arco.py run (its preset and flags)."""
-    args = Args(dataset=a.dataset, data_dir=a.data_dir, train_size=a.warmup_size, seed=a.seed,
-                samples=a.warmup_samples, K=a.k, out_dir=str(out_dir), model=a.model, mu_model=a.mu_model,
-                rubric_mode=a.rubric, device=a.device, sft_epochs_pi=a.sft_epochs_pi, sft_epochs_mu=a.sft_epochs_mu,
-                sft_lr_pi=a.sft_lr_pi, sft_lr_mu=a.sft_lr_mu, sft_head_lr=a.sft_head_lr,
-                sft_head_steps=a.sft_head_steps,
-                sft_batch_pi=a.sft_batch_pi, sft_batch_mu=a.sft_batch_mu, sft_questions_mu=a.sft_questions_mu,
-                weight_decay=a.weight_decay,
-                token_reduction=a.token_reduction, retriever=a.retriever, retriever_pooling=a.retriever_pooling,
-                micro_batch=a.micro_batch, max_new_tokens=a.max_new_tokens_pi, eval_size=a.eval_size,
-                obs_chars=a.obs_chars, gen_batch=a.gen_batch, mu_examples=a.mu_examples,
-                probe_size=a.warmup_probe, train_mu=a.reward != "outcome")
-    return run(args)
+    """The offline oracle warmup with the settings of an arco.py run (its preset and flags): every
+    setting the two scripts share has the same name in both, so it is copied by name."""
+    shared = {f.name: getattr(a, f.name) for f in dataclasses.fields(Args) if hasattr(a, f.name)}
+    return run(Args(**{**shared, "out_dir": str(out_dir), "train_mu": a.reward != "outcome"}))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -175,7 +175,7 @@ def test_mu_sft_takes_the_first_questions_when_capped(retriever, tmp_path):
     """--sft-questions-mu N: μ's SFT items come from the first N warmup questions only; π's from all."""
     examples = env.synthetic_examples(6, seed=5, split="train")
     _, records = oracle_records(retriever, examples, tmp_path, k=2, K=3)
-    args = warmup.Args(dataset="synthetic", samples=2, sft_questions_mu=2)
+    args = warmup.Args(dataset="synthetic", warmup_samples=2, sft_questions_mu=2)
     summary, pi, mu = warmup.summarize(records, examples, {}, args, warmup.OracleTeacher())
     assert {x["id"] for x in mu} == {ex.id for ex in examples[:2]}
     assert {x["id"] for x in pi} == {ex.id for ex in examples}    # the oracle's gold trajectories all end R = 1 here
@@ -538,7 +538,8 @@ def test_kill_and_resume_the_cli(api_env, retriever, tmp_path):
     examples = env.load_split("synthetic", "train", size=6, seed=0)
     api = api_env(examples, delay=0.1)
     out = tmp_path / "run"
-    cmd = [sys.executable, "warmup.py", "--dataset", "synthetic", "--train-size", "6", "--samples", "2", "--teacher", "openai",
+    cmd = [sys.executable, "warmup.py", "--dataset", "synthetic", "--warmup-size", "6", "--warmup-samples", "2",
+           "--teacher", "openai",
            "--teacher-policy-model", "fake-policy", "--teacher-rubric-model", "fake-rubric", "--concurrency", "1",
            "--backoff", "0.01", "--timeout", "5", "--out-dir", str(out), "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

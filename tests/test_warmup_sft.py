@@ -203,9 +203,9 @@ def test_pi_sft_keeps_the_epoch_with_the_best_dev_em(tiny_dir, tmp_path, retriev
 
 def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
     out = tmp_path / "warmup"
-    args = warmup.Args(dataset="synthetic", train_size=3, samples=2, eval_size=3, out_dir=str(out), model=str(tiny_dir),
-                       device="cpu", sft_epochs_pi=2, sft_epochs_mu=1, sft_batch_pi=4, sft_batch_mu=4, micro_batch=4,
-                       max_new_tokens=8, probe_size=4, progress=False)
+    args = warmup.Args(dataset="synthetic", warmup_size=3, warmup_samples=2, eval_size=3, out_dir=str(out),
+                       model=str(tiny_dir), device="cpu", sft_epochs_pi=2, sft_epochs_mu=1, sft_batch_pi=4,
+                       sft_batch_mu=4, micro_batch=4, max_new_tokens_pi=8, warmup_probe=4, progress=False)
     warmup.run(args)
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics) >= {"base", "sft_only", "mu_sft_terms_before", "mu_sft_terms_after"}
