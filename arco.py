@@ -57,7 +57,7 @@ from rubric_model import (RUBRIC_MODES, RubricModel, SharedPrefix, add_lora, cha
                           contexts_from_trajectory, encode_response, last_hidden_states, load_backbone_checkpoint,
                           merge_lora, packed_steps, pad_right, policy_act, reference, reference_logq, save_backbone,
                           sequence_logprobs, token_passes, trainable_parameters)
-from warmup import dev_rank, mu_dir_name, read_jsonl   # read_jsonl tolerates a line cut short by a kill (--resume)
+from warmup import dev_rank, mu_dir_name
 
 
 @dataclass
@@ -607,9 +607,9 @@ def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
 # ----------------------------------------------------------------------------------------
 
 def evaluate_policy(pi, examples, args: Args, retriever) -> tuple[dict, list]:
-    """Greedy dev evaluation (warmup.evaluate_policy): EM, F1, searches, invalid-step rate."""
-    return warmup.evaluate_policy(pi, examples, retriever, args.max_new_tokens_pi, args.obs_chars, args.gen_batch,
-                                  args.max_searches)
+    """Greedy dev evaluation (env.evaluate): EM, F1, searches, invalid-step rate."""
+    return env.evaluate(examples, policy_act(pi, 0.0, args.max_new_tokens_pi, args.gen_batch), retriever,
+                        args.max_searches, args.obs_chars)
 
 
 def warmup_evaluation(warmup_dir: Path, args: Args) -> tuple[dict | None, list[dict]]:
@@ -622,7 +622,7 @@ def warmup_evaluation(warmup_dir: Path, args: Args) -> tuple[dict | None, list[d
     traces = warmup_dir / "eval_sft_only.jsonl"
     if args.max_searches is not None or metrics.get("sft_only_settings") != wanted or not traces.is_file():
         return None, []
-    rows = [{**r, "epoch": 0, "batch": -1} for r in read_jsonl(traces)]
+    rows = [{**r, "epoch": 0, "batch": -1} for r in env.read_jsonl(traces)]
     for r in rows:
         for st in r["steps"]:
             st["observation"] = st["observation"][:160]
@@ -653,13 +653,6 @@ def trace_rows(trajs, epoch: int, batch: int, rubrics=None, d=None, s=None, A=No
         at += len(t.steps)
         rows.append(row)
     return rows
-
-
-def append_jsonl(path: Path, rows: Sequence[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
 def save_checkpoint(folder: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: list[dict],
@@ -709,7 +702,7 @@ def training_questions(args: Args, warmup_dir: Path) -> list:
     scale those groups all agree, and A = 0)."""
     if args.warmup_questions == "within":
         return env.load_split(args.dataset, "train", args.data_dir or None, args.train_size, args.seed)
-    taught = {r["id"] for path in warmup_dir.glob("records*.jsonl") for r in read_jsonl(path)}
+    taught = {r["id"] for path in warmup_dir.glob("records*.jsonl") for r in env.read_jsonl(path)}
     order = env.load_split(args.dataset, "train", args.data_dir or None, len(taught) + args.train_size, args.seed)
     questions = [q for q in order if q.id not in taught][:args.train_size]
     if not questions:
@@ -789,8 +782,9 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, ar
                mean_s=float(s.mean()) if s is not None else None,
                rubric_parse_rate=sum(r.parsed for r in rubrics) / len(rubrics) if rubrics else None,
                mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gib=peak_rss_gib())
-    append_jsonl(run_dir / "metrics.jsonl", [row])
-    append_jsonl(run_dir / "traces" / f"epoch_{epoch}.jsonl", trace_rows(trajs, epoch, b, rubrics, d, s, A, info))
+    env.write_jsonl(run_dir / "metrics.jsonl", [row], append=True)
+    env.write_jsonl(run_dir / "traces" / f"epoch_{epoch}.jsonl", trace_rows(trajs, epoch, b, rubrics, d, s, A, info),
+                    append=True)
     return row
 
 
@@ -819,7 +813,7 @@ class CtrlC:
 def rewrite_jsonl(path: Path, keep) -> None:
     """Keep the rows of a JSONL file for which keep(row) is true (what --resume redoes goes)."""
     if path.exists():
-        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in read_jsonl(path) if keep(r)))
+        env.write_jsonl(path, [r for r in env.read_jsonl(path) if keep(r)])
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -844,7 +838,7 @@ def run(args: Args) -> Path:
         sys.exit(f"error: --resume: {ckpt_dir} holds no finished epoch or Ctrl-C checkpoint to continue from; "
                  f"check --name / --out-dir, or start afresh under another --name")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2) + "\n")
+    env.write_json(run_dir / "args.json", asdict(args))
 
     warmup_dir = ensure_warmup(args)
     train = training_questions(args, warmup_dir)
@@ -875,8 +869,8 @@ def run(args: Args) -> Path:
             ev, trajs = evaluate_policy(pi, dev, args, retriever)
             rows = trace_rows(trajs, 0, -1)
         history.append({"epoch": 0, **ev})
-        append_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": 0, **ev}])
-        append_jsonl(run_dir / "traces" / "eval_epoch_0.jsonl", rows)
+        env.write_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": 0, **ev}], append=True)
+        env.write_jsonl(run_dir / "traces" / "eval_epoch_0.jsonl", rows, append=True)
         print(f"[arco] epoch 0 (SFT only): dev EM {ev['em']:.1f} F1 {ev['f1']:.1f} "
               f"(peak RSS so far {peak_rss_gib():.1f} GiB)", flush=True)
 
@@ -909,8 +903,8 @@ def run(args: Args) -> Path:
             bar.close()
             ev, trajs = evaluate_policy(pi, dev, args, retriever)
             history.append({"epoch": epoch, "dense": dense, **ev})
-            append_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": epoch, **ev}])
-            append_jsonl(run_dir / "traces" / f"eval_epoch_{epoch}.jsonl", trace_rows(trajs, epoch, -1))
+            env.write_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": epoch, **ev}], append=True)
+            env.write_jsonl(run_dir / "traces" / f"eval_epoch_{epoch}.jsonl", trace_rows(trajs, epoch, -1), append=True)
             print(f"[arco] epoch {epoch}: dev EM {ev['em']:.1f} F1 {ev['f1']:.1f} "
                   f"invalid {ev['invalid_rate']:.2f} (peak RSS so far {peak_rss_gib():.1f} GiB)", flush=True)
             save_checkpoint(ckpt_dir / f"epoch_{epoch}", pi, mu, opt_pi, opt_mu, epoch, history)
@@ -954,7 +948,7 @@ def select_checkpoint(history: list[dict], sparse_epochs: int) -> dict:
 
 def write_selection(run_dir: Path, history: list[dict], args: Args) -> dict:
     sel = select_checkpoint(history, args.sparse_epochs)
-    (run_dir / "selection.json").write_text(json.dumps(sel, indent=2) + "\n")
+    env.write_json(run_dir / "selection.json", sel)
     return sel
 
 
@@ -976,7 +970,7 @@ def write_report(run_dir: Path, history: list[dict], args: Args) -> None:
     last = max((int(p.stem.split("_")[1]) for p in (run_dir / "traces").glob("epoch_*.jsonl")), default=None)
     if last is not None:
         lines += [f"## Sample training trajectories (epoch {last})", ""]
-        for row in read_jsonl(run_dir / "traces" / f"epoch_{last}.jsonl")[:3]:
+        for row in env.read_jsonl(run_dir / "traces" / f"epoch_{last}.jsonl")[:3]:
             lines += [f"**Q:** {row['question']}  **gold:** {row['gold'][0]}  **answer:** {row['answer'] or '—'}  "
                       f"**R = {row['reward']:.0f}**", ""]
             for i, st in enumerate(row["steps"], 1):
@@ -999,7 +993,6 @@ def write_report(run_dir: Path, history: list[dict], args: Args) -> None:
 
 def save_batch(path: Path, trajs) -> None:
     """The benchmark's fixed batch: each trajectory as a trace row plus the sampled token ids."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for t in trajs:
         row = t.to_dict()
@@ -1007,14 +1000,14 @@ def save_batch(path: Path, trajs) -> None:
         for st, saved in zip(t.steps, row["steps"]):
             saved["output_ids"] = st.output_ids
         rows.append(row)
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    env.write_jsonl(path, rows)
 
 
 def load_batch(path: Path, examples) -> list:
     """save_batch's trajectories again, with the prompts π saw (rebuilt exactly as env.rollout makes them)."""
     by_id = {ex.id: ex for ex in examples}
     trajs = []
-    for row in read_jsonl(path):
+    for row in env.read_jsonl(path):
         t = env.Trajectory(by_id[row["id"]], row["max_searches"], answer=row["answer"], reward=row["reward"],
                            finished=row["finished"])
         for s in row["steps"]:
@@ -1158,7 +1151,7 @@ def benchmark(args: Args) -> dict:
               "mean length (tokens: new tokens for generation, sequence tokens otherwise)"]
     print("\n".join(lines))
     bench.mkdir(parents=True, exist_ok=True)
-    (bench / f"loop-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(result, indent=1) + "\n")
+    env.write_json(bench / f"loop-{time.strftime('%Y%m%d-%H%M%S')}.json", result)
     return result
 
 

@@ -65,7 +65,6 @@ import warmup
 import arco
 import rubric_model
 from evaluate import exact_match, f1_score, format_table, parse_args
-from warmup import read_jsonl, write_json
 
 
 @dataclass
@@ -705,7 +704,7 @@ def question_type(t: str | None) -> str:
 def trajectory_scores(rows: Sequence[dict]) -> dict:
     """EM and F1 (%), valid searches per question, invalid-step rate and finished rate of trace
     rows (Trajectory.to_dict()), overall and by `question_type`, computed as
-    warmup.evaluate_policy computes them: an unfinished trajectory scores 0."""
+    env.evaluate computes them: an unfinished trajectory scores 0."""
     def summary(rs: Sequence[dict]) -> dict:
         n = len(rs)
         steps = [st for r in rs for st in r["steps"]]
@@ -752,10 +751,10 @@ class Run:
         return sorted(found)
 
     def metrics(self) -> list[dict]:
-        return read_jsonl(self.dir / "metrics.jsonl")
+        return env.read_jsonl(self.dir / "metrics.jsonl")
 
     def training_traces(self, epoch: int) -> list[dict]:
-        return read_jsonl(self.dir / "traces" / f"epoch_{epoch}.jsonl")
+        return env.read_jsonl(self.dir / "traces" / f"epoch_{epoch}.jsonl")
 
     def trace_epochs(self) -> list[int]:
         return sorted(int(p.stem.split("_")[1]) for p in (self.dir / "traces").glob("epoch_*.jsonl")
@@ -815,7 +814,7 @@ def evaluation(run: Run, split: str, data_dir: str | None, device: str, reevalua
     """Greedy scores of the run's checkpoint on `split` (the _METRICS, by_type, source), reusing an
     evaluation already made unless `reevaluate`: on dev, the run's own (metrics.jsonl's eval row
     of that epoch; the breakdown from traces/eval_epoch_K.jsonl); else one stored by an earlier
-    call in <run>/evals/. Otherwise π is loaded and evaluated (warmup.evaluate_policy, the run's
+    call in <run>/evals/. Otherwise π is loaded and evaluated (env.evaluate, the run's
     settings and question sample) and the result stored in <run>/evals/<split>_<checkpoint>.json
     with the trajectories beside it (.jsonl)."""
     stored = run.dir / "evals" / f"{split}_{run.checkpoint}.json"
@@ -825,7 +824,7 @@ def evaluation(run: Run, split: str, data_dir: str | None, device: str, reevalua
                        None)
             if row is not None:
                 traces = run.dir / "traces" / f"eval_epoch_{run.epoch}.jsonl"
-                by_type = trajectory_scores(read_jsonl(traces))["by_type"] if traces.is_file() else {}
+                by_type = trajectory_scores(env.read_jsonl(traces))["by_type"] if traces.is_file() else {}
                 return {**{k: row[k] for k in _METRICS if k in row}, "by_type": by_type,
                         "source": f"the run's own evaluation (metrics.jsonl, epoch {run.epoch})"}
         if stored.is_file():
@@ -836,16 +835,14 @@ def evaluation(run: Run, split: str, data_dir: str | None, device: str, reevalua
     print(f"[evaluate] {run.name}: evaluating {run.checkpoint} greedily on {len(examples)} {split} questions",
           flush=True)
     pi, _ = rubric_model.load_backbone_checkpoint(run.policy_dir(), device=device)
-    scores, trajs = warmup.evaluate_policy(pi, examples, _retriever(), a["max_new_tokens_pi"], a["obs_chars"],
-                                           a.get("gen_batch") or 16, a.get("max_searches"))
+    act = rubric_model.policy_act(pi, 0.0, a["max_new_tokens_pi"], a.get("gen_batch") or 16)        # greedy
+    scores, trajs = env.evaluate(examples, act, _retriever(), a.get("max_searches"), a["obs_chars"])
     del pi
     rows = [{**row, "checkpoint": run.checkpoint} for row in arco.trace_rows(trajs, run.epoch, -1)]
     result = {**{k: scores[k] for k in _METRICS if k in scores}, "by_type": trajectory_scores(rows)["by_type"],
               "checkpoint": run.checkpoint, "split": split}
-    stored.parent.mkdir(parents=True, exist_ok=True)
-    stored.with_suffix(".jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
-                                            encoding="utf-8")
-    write_json(stored, result)
+    env.write_jsonl(stored.with_suffix(".jsonl"), rows)
+    env.write_json(stored, result)
     return {**result, "source": f"evaluated now, stored: {stored}"}
 
 
@@ -870,7 +867,7 @@ def warmup_rows(runs: Sequence[Run]) -> list[dict]:
 def question_em(run: Run, epoch: int) -> dict[str, float]:
     """{question id: EM in %} of the run's own greedy dev evaluation at `epoch` (traces/eval_epoch_K.jsonl;
     R(τ) is EM, Alg. 1 line 23); {} when the run kept no such traces."""
-    return {r["id"]: 100.0 * r["reward"] for r in read_jsonl(run.dir / "traces" / f"eval_epoch_{epoch}.jsonl")}
+    return {r["id"]: 100.0 * r["reward"] for r in env.read_jsonl(run.dir / "traces" / f"eval_epoch_{epoch}.jsonl")}
 
 
 def paired_difference(before: dict[str, float], after: dict[str, float]) -> dict | None:
@@ -1411,7 +1408,7 @@ def diagnose(runs: Sequence[Run], args: "Args") -> dict[str, Path]:
     files["diagnostics.json"] = "every number above, and the data of each figure"
     files["diagnostics.md"] = "these tables"
     d["files"] = files
-    write_json(out / "diagnostics.json", d)
+    env.write_json(out / "diagnostics.json", d)
     (out / "diagnostics.md").write_text(diagnostics_markdown(d), encoding="utf-8")
     return {f: out / f for f in ("diagnostics.md", "diagnostics.json", "dev_em.png", "train_reward.png",
                                  "bucket_scores.png", "credit_auc.png", "trajectories.html")}
@@ -1436,7 +1433,7 @@ def run_command(args: "Args") -> None:
     stem = "comparison" if args.split == "dev" else f"comparison-{args.split}"
     md = comparison_markdown(comp)
     (runs[0].dir / f"{stem}.md").write_text(md, encoding="utf-8")
-    write_json(runs[0].dir / f"{stem}.json", comp)
+    env.write_json(runs[0].dir / f"{stem}.json", comp)
     print(md)
     written = {"comparison table": runs[0].dir / f"{stem}.md", "comparison data": runs[0].dir / f"{stem}.json"}
     if args.diagnose:

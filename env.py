@@ -8,7 +8,8 @@ What lives here, top to bottom:
      layouts, and `synthetic`, our own generator of small 2-hop worlds;
   2. the embedding retriever (top-1 paragraph by cosine over the example's own paragraphs);
   3. the action parser and the policy prompts;
-  4. the batched rollout driver `rollout(examples, act, retriever)`.
+  4. the batched rollout driver `rollout(examples, act, retriever)`;
+and, first, the one JSON/JSONL reader and writer every script uses.
 
 There is no model code here: a policy is any callable `act(list_of_prompts) -> list_of_texts`,
 which is what lets tests drive the environment with a scripted agent.
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from evaluate import exact_match, parse_args
+from evaluate import exact_match, f1_score, parse_args
 
 
 @dataclass
@@ -44,6 +45,61 @@ class Args:
     retriever: str = field(default="", metadata={"help": "HF encoder id or path; empty = embedded all-MiniLM-L6-v2"})
     retriever_pooling: str = field(default="mean", metadata={"help": "mean (MiniLM) or cls (SimCSE's own pooling)"})
     check_retrieval: bool = field(default=False, metadata={"help": "measure how often a supporting-title query retrieves a supporting paragraph"})
+
+
+# ----------------------------------------------------------------------------------------
+# 0. Files: the one JSON / JSONL reader and writer of every script (the API key never reaches disk)
+# ----------------------------------------------------------------------------------------
+
+def scrub(text: str) -> str:
+    """Remove the API key from any text about to be written (error messages may echo it)."""
+    key = os.environ.get("OPENAI_API_KEY", "")
+    return text.replace(key, "[redacted]") if len(key) >= 4 else text
+
+
+def read_jsonl(path: str | Path, repair: bool = False) -> list[dict]:
+    """Records of a JSONL file ([] if there is none). A last line cut short by a kill is dropped (and,
+    with `repair`, truncated away so appends stay well-formed); a bad line elsewhere is an error naming it."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        print(f"warning: {path}: dropping an unfinished last record ({len(data) - cut} bytes)", file=sys.stderr)
+        data = data[:cut]
+        if repair:
+            with open(path, "r+b") as f:
+                f.truncate(cut)
+    out = []
+    for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    return out
+
+
+def write_jsonl(path: str | Path, rows: Sequence[dict], append: bool = False) -> None:
+    """One JSON object per line. `append` adds to the file and syncs it to disk, so a kill loses at
+    most the line being written (which read_jsonl drops)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a" if append else "w", encoding="utf-8") as f:
+        f.write("".join(scrub(json.dumps(r, ensure_ascii=False)) + "\n" for r in rows))
+        if append:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def write_json(path: str | Path, obj) -> None:
+    """An indented JSON file, written whole or not at all (a temporary file, then a rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(scrub(json.dumps(obj, indent=2, ensure_ascii=False)) + "\n", encoding="utf-8")
+    tmp.replace(path)
 
 
 # ----------------------------------------------------------------------------------------
@@ -686,6 +742,22 @@ def rollout(examples: Sequence[Example], act: Callable[[list[list[dict]]], list]
     if bar:
         bar.close()
     return trajs
+
+
+def evaluate(examples: Sequence[Example], act: Callable[[list[list[dict]]], list], retriever,
+             max_searches: int | None = None, obs_chars: int = 400) -> tuple[dict, list[Trajectory]]:
+    """One trajectory per example with `act` (greedy π for the dev evaluations, and the paper's Base
+    and SFT-Only rows): EM / F1 (official HotpotQA semantics; an unfinished trajectory scores 0),
+    searches per question, invalid-step and finished rates."""
+    trajs = rollout(examples, act, retriever, max_searches, obs_chars, progress=True)
+    n = max(len(trajs), 1)
+    steps = [st for t in trajs for st in t.steps]
+    return {"n": len(trajs),
+            "em": 100 * sum(exact_match(t.answer, t.example.answers) if t.finished else 0.0 for t in trajs) / n,
+            "f1": 100 * sum(f1_score(t.answer, t.example.answers) if t.finished else 0.0 for t in trajs) / n,
+            "mean_searches": sum(st.action == "search" and st.valid for st in steps) / n,
+            "invalid_rate": sum(not st.valid for st in steps) / max(len(steps), 1),
+            "finished_rate": sum(t.finished for t in trajs) / n}, trajs
 
 
 # ----------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import random
 import re
 import sys
@@ -49,7 +48,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 import env
-from evaluate import exact_match, f1_score, normalize_answer, parse_args
+from evaluate import normalize_answer, parse_args
 from rubric_model import (RUBRIC_MODES, RubricModel, SharedPrefix, StepContext, add_lora, chat_prompt_ids,
                           encode_response, load_backbone, merge_lora, packed_steps, policy_act, save_backbone,
                           trainable_parameters)
@@ -772,16 +771,6 @@ def parse_annotation(text: str, T: int, K: int) -> tuple[list[list[str]], list[l
     return criteria, scores, issues
 
 
-def _secret() -> str:
-    return os.environ.get("OPENAI_API_KEY", "")
-
-
-def scrub(text: str) -> str:
-    """Remove the API key from any text about to be written (error messages may echo it)."""
-    key = _secret()
-    return text.replace(key, "[redacted]") if len(key) >= 4 else text
-
-
 class OpenAITeacher:
     """Policy and rubric annotator served by any OpenAI-compatible endpoint.
 
@@ -803,7 +792,7 @@ class OpenAITeacher:
         try:
             self.client = client or openai.OpenAI(timeout=timeout, max_retries=0)
         except openai.OpenAIError as e:
-            raise TeacherError(f"cannot start the API client: {scrub(str(e))} (set OPENAI_API_KEY, and OPENAI_BASE_URL "
+            raise TeacherError(f"cannot start the API client: {env.scrub(str(e))} (set OPENAI_API_KEY, and OPENAI_BASE_URL "
                                f"for a server other than OpenAI's)") from None
         self.policy_model, self.rubric_model, self.temperature = policy_model, rubric_model, temperature
         self.max_retries, self.backoff, self.workers = max_retries, backoff, max(1, concurrency)
@@ -841,7 +830,7 @@ class OpenAITeacher:
                                                         max_tokens=max_tokens)
             except self.openai.OpenAIError as e:
                 status = getattr(e, "status_code", None)
-                why = f"{type(e).__name__}{f' {status}' if status else ''}: {scrub(str(e))[:300]}"
+                why = f"{type(e).__name__}{f' {status}' if status else ''}: {env.scrub(str(e))[:300]}"
                 if not self._retryable(e) or attempt == self.max_retries:
                     with self.lock:
                         self.counters["failed_calls"] += 1
@@ -904,46 +893,6 @@ class LockedRetriever:
 # 4. Collection: records appended as they finish, resumable
 # ----------------------------------------------------------------------------------------
 
-class JsonlWriter:
-    """Append one JSON object per line; flush and fsync each; thread-safe; the API key is scrubbed."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.lock = threading.Lock()
-
-    def write(self, obj: dict) -> None:
-        line = scrub(json.dumps(obj, ensure_ascii=False)) + "\n"
-        with self.lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def read_jsonl(path: Path, repair: bool = False) -> list[dict]:
-    """Records of a JSONL file. A last line cut short by a kill is dropped (and, with `repair`,
-    truncated away so appends stay well-formed); a bad line elsewhere is an error naming it."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        print(f"warning: {path}: dropping an unfinished last record ({len(data) - cut} bytes)", file=sys.stderr)
-        data = data[:cut]
-        if repair:
-            with open(path, "r+b") as f:
-                f.truncate(cut)
-    out = []
-    for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-    return out
-
-
 def make_record(ex: env.Example, sample: int, traj: env.Trajectory, meta: dict, criteria: list[list[str]],
                 raw_scores: list, issues: list[str], K: int, tol: float, teacher: str) -> dict:
     """One warmup record: the whole trajectory as logged by the environment, its rubric, Eq. 6."""
@@ -999,7 +948,7 @@ def collect(examples: Sequence[env.Example], teacher, retriever, out_dir: str | 
     out_dir = Path(out_dir)
     ks = collection_suffix(K)
     path = out_dir / f"records{ks}.jsonl"
-    old = read_jsonl(path, repair=True)
+    old = env.read_jsonl(path, repair=True)
     for r in old:
         if r.get("K") != K or r.get("teacher") != teacher.name:
             raise ValueError(f"{path}: records were made with teacher={r.get('teacher')} K={r.get('K')}, this run uses "
@@ -1012,18 +961,17 @@ def collect(examples: Sequence[env.Example], teacher, retriever, out_dir: str | 
     jobs = [(ex, [s for s in range(k) if (ex.id, s) not in done]) for ex in examples]
     jobs = [j for j in jobs if j[1]]
     counts = Counter(skipped_finished=sum(k - len(j[1]) for j in jobs) + k * (len(examples) - len(jobs)))
-    records, failures = JsonlWriter(path), JsonlWriter(out_dir / f"failures{ks}.jsonl")
     lock = threading.Lock()  # API workers write from their own threads
 
     def write(rec: dict) -> None:
-        records.write(rec)
         with lock:
+            env.write_jsonl(path, [rec], append=True)
             counts["records"] += 1
             counts[f"reward_{rec['reward']:g}"] += 1
 
     def fail(rec: dict) -> None:
-        failures.write(rec)
         with lock:
+            env.write_jsonl(out_dir / f"failures{ks}.jsonl", [rec], append=True)
             counts[f"failed_{rec['stage']}"] += 1
 
     groups = [jobs[i:i + teacher.group_size] for i in range(0, len(jobs), teacher.group_size)]
@@ -1373,23 +1321,6 @@ def fit_score_head(mu, items: Sequence[dict], steps: int, lr: float, micro_batch
     return [losses[0], losses[-1]]
 
 
-def evaluate_policy(pi, examples: Sequence[env.Example], retriever, max_new_tokens: int, obs_chars: int,
-                    batch_size: int = 16, max_searches: int | None = None) -> tuple[dict, list[env.Trajectory]]:
-    """Greedy dev evaluation of a policy: EM / F1 (official HotpotQA semantics; an unfinished
-    trajectory scores 0), searches per question, invalid-step rate. Also the paper's Base and
-    SFT-Only rows."""
-    trajs = env.rollout(examples, policy_act(pi, 0.0, max_new_tokens, batch_size), retriever, max_searches,
-                        obs_chars, progress=True)
-    n = max(len(trajs), 1)
-    steps = [st for t in trajs for st in t.steps]
-    return {"n": len(trajs),
-            "em": 100 * sum(exact_match(t.answer, t.example.answers) if t.finished else 0.0 for t in trajs) / n,
-            "f1": 100 * sum(f1_score(t.answer, t.example.answers) if t.finished else 0.0 for t in trajs) / n,
-            "mean_searches": sum(st.action == "search" and st.valid for st in steps) / n,
-            "invalid_rate": sum(not st.valid for st in steps) / max(len(steps), 1),
-            "finished_rate": sum(t.finished for t in trajs) / n}, trajs
-
-
 def eval_settings(eval_size: int, seed: int, max_new_tokens: int, obs_chars: int, gen_batch: int) -> dict:
     """What decides a greedy dev evaluation (with the policy): same settings, same trajectories."""
     return {"eval_size": eval_size, "seed": seed, "max_new_tokens": max_new_tokens, "obs_chars": obs_chars,
@@ -1431,7 +1362,8 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         print(f"[warmup] evaluating the base policy ({args.model}) on {len(dev)} dev questions", flush=True)
 
         def dev_eval(policy):
-            return evaluate_policy(policy, dev, retriever, args.max_new_tokens_pi, args.obs_chars, args.gen_batch)
+            return env.evaluate(dev, policy_act(policy, 0.0, args.max_new_tokens_pi, args.gen_batch), retriever,
+                                obs_chars=args.obs_chars)                   # greedy
         metrics["base"], _ = dev_eval(pi)
         sft = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi, args.sft_batch_pi, args.seed,
                                args.progress, args.micro_batch, args.weight_decay, dev_eval)
@@ -1444,12 +1376,11 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         # What arco.py needs to take this evaluation as its epoch 0 instead of repeating it.
         metrics["sft_only_settings"] = eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars,
                                                      args.gen_batch)
-        (out_dir / "eval_sft_only.jsonl").write_text("".join(json.dumps(t.to_dict(), ensure_ascii=False) + "\n"
-                                                             for t in trajs), encoding="utf-8")
+        env.write_jsonl(out_dir / "eval_sft_only.jsonl", [t.to_dict() for t in trajs])
         print(f"[warmup] dev EM: base {metrics['base']['em']:.1f} -> SFT only {metrics['sft_only']['em']:.1f}",
               flush=True)
         del pi
-        write_json(out_dir / "metrics.json", metrics)
+        env.write_json(out_dir / "metrics.json", metrics)
     name = mu_dir_name(args.rubric, args.k, args.mu_model, args.model)
     if not args.train_mu:
         return metrics
@@ -1474,7 +1405,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     m["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
     mu.save(out_dir / name)
     metrics.update(m)                 # the last μ trained, also at the top level (as before variants)
-    write_json(out_dir / "metrics.json", metrics)
+    env.write_json(out_dir / "metrics.json", metrics)
     return metrics
 
 
@@ -1488,13 +1419,6 @@ def make_teacher(args: Args):
     return OpenAITeacher(args.teacher_policy_model, args.teacher_rubric_model, args.temperature, args.max_retries,
                          args.backoff, args.timeout, args.concurrency, args.policy_max_tokens, args.rubric_max_tokens,
                          args.price_input, args.price_output, args.obs_chars)
-
-
-def write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(scrub(json.dumps(obj, indent=2, ensure_ascii=False)) + "\n", encoding="utf-8")
-    tmp.replace(path)
 
 
 def summarize(records: Sequence[dict], examples: Sequence[env.Example], run: dict, args: Args,
@@ -1571,8 +1495,8 @@ def run(args: Args) -> Path:
     examples = env.load_split(args.dataset, args.split, args.data_dir or None, args.warmup_size or None, args.seed)
     teacher = make_teacher(args)
     retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
-    write_json(out_dir / "args.json", dataclasses.asdict(args))
-    write_json(out_dir / "retriever.json", {"retriever": args.retriever or env.EMBEDDED_RETRIEVER,
+    env.write_json(out_dir / "args.json", dataclasses.asdict(args))
+    env.write_json(out_dir / "retriever.json", {"retriever": args.retriever or env.EMBEDDED_RETRIEVER,
                                             "pooling": args.retriever_pooling})
     ks = collection_suffix(args.k)
     try:
@@ -1581,11 +1505,11 @@ def run(args: Args) -> Path:
         sys.exit(f"interrupted: every finished record is in {out_dir / f'records{ks}.jsonl'}; "
                  f"rerun the same command to resume")
     wanted = {ex.id for ex in examples}
-    records = [r for r in read_jsonl(out_dir / f"records{ks}.jsonl") if r["id"] in wanted and r["sample"] < args.warmup_samples]
+    records = [r for r in env.read_jsonl(out_dir / f"records{ks}.jsonl") if r["id"] in wanted and r["sample"] < args.warmup_samples]
     summary, pi, mu = summarize(records, examples, run_counts, args, teacher)
     for name, rows in ((f"policy_sft{ks}.jsonl", pi), (f"rubric_sft{ks}.jsonl", mu)):
-        (out_dir / name).write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in rows), encoding="utf-8")
-    write_json(out_dir / f"summary{ks}.json", summary)
+        env.write_jsonl(out_dir / name, rows)
+    env.write_json(out_dir / f"summary{ks}.json", summary)
     failed = sum(v for k, v in run_counts.items() if k.startswith("failed_"))
     print(f"warmup records: {summary['records']} (R=1: {summary['reward_1']}, R=0: {summary['reward_0']}, "
           f"evidence found: {summary['evidence_found']}); this run: {run_counts.get('records', 0)} new, "
@@ -1627,7 +1551,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             run(args)
     except (env.DataError, TeacherError, ValueError) as e:
-        sys.exit(f"error: {scrub(str(e))}")
+        sys.exit(f"error: {env.scrub(str(e))}")
 
 
 if __name__ == "__main__":

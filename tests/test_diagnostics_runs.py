@@ -57,18 +57,18 @@ def main(argv):
 def no_evaluation(monkeypatch):
     def fail(*a, **kw):
         pytest.fail("a policy was loaded or evaluated although an evaluation was stored")
-    monkeypatch.setattr(warmup, "evaluate_policy", fail)
+    monkeypatch.setattr(env, "evaluate", fail)
     monkeypatch.setattr(rm, "load_backbone_checkpoint", fail)
 
 
 def counting_evaluation(monkeypatch):
     calls = []
-    real = warmup.evaluate_policy
+    real = env.evaluate
 
-    def spy(pi, examples, *a, **kw):
+    def spy(examples, *a, **kw):
         calls.append([ex.id for ex in examples])
-        return real(pi, examples, *a, **kw)
-    monkeypatch.setattr(warmup, "evaluate_policy", spy)
+        return real(examples, *a, **kw)
+    monkeypatch.setattr(env, "evaluate", spy)
     return calls
 
 

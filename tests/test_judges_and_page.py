@@ -1,7 +1,6 @@
 """diagnostics.py (issue 6): the RQ3 judges (an OpenAI-compatible one against a local fake
 server, and the offline embedding one), the HTML page of trajectories rendered in a real headless
 Chromium, and the PNG plots."""
-import json
 import re
 import shutil
 import subprocess
@@ -11,7 +10,6 @@ import time
 import zlib
 from collections import Counter
 from html.parser import HTMLParser
-from pathlib import Path
 
 import numpy as np
 import pytest

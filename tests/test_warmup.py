@@ -114,7 +114,7 @@ def test_clip_and_fit():
 
 def oracle_records(retriever, examples, tmp_path, k=4, K=3):
     run = warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=k, K=K, progress=False)
-    return run, warmup.read_jsonl(tmp_path / "records.jsonl")
+    return run, env.read_jsonl(tmp_path / "records.jsonl")
 
 
 def check_record(r, K):
@@ -400,10 +400,10 @@ def test_openai_teacher_end_to_end(api_env, retriever, tmp_path):
     q = {name: ex for ex, name in zip(examples, names)}
     teacher = api_teacher()
     run = warmup.collect(examples, teacher, retriever, tmp_path, k=2, K=3, progress=False)
-    records = warmup.read_jsonl(tmp_path / "records.jsonl")
+    records = env.read_jsonl(tmp_path / "records.jsonl")
     got = Counter(r["id"] for r in records)
     assert got == {ex.id: 2 for ex in examples if ex is not q["fail"]}  # the failing question skipped, run went on
-    failures = warmup.read_jsonl(tmp_path / "failures.jsonl")
+    failures = env.read_jsonl(tmp_path / "failures.jsonl")
     assert {(f["id"], f["stage"]) for f in failures} == {(q["fail"].id, "policy")}
     assert "500" in failures[0]["error"] and "[redacted]" in failures[0]["error"]
     assert run["records"] == 18 and run["failed_policy"] == 2
@@ -585,8 +585,8 @@ def test_records_from_another_configuration_are_refused(retriever, tmp_path):
         warmup.collect(examples, OtherTeacher(), retriever, tmp_path, k=1, K=3, progress=False)
     # another K is not refused: it is another collection, beside the first (warmup.collection_suffix)
     warmup.collect(examples, warmup.OracleTeacher(), retriever, tmp_path, k=1, K=5, progress=False)
-    assert [r["K"] for r in warmup.read_jsonl(tmp_path / "records-k5.jsonl")] == [5, 5]
-    assert [r["K"] for r in warmup.read_jsonl(tmp_path / "records.jsonl")] == [3, 3]
+    assert [r["K"] for r in env.read_jsonl(tmp_path / "records-k5.jsonl")] == [5, 5]
+    assert [r["K"] for r in env.read_jsonl(tmp_path / "records.jsonl")] == [3, 3]
     (tmp_path / "records-k5.jsonl").write_text((tmp_path / "records.jsonl").read_text())   # mixed by hand
     with pytest.raises(ValueError, match="K=3, this run uses teacher=oracle K=5"):
         warmup.collect(examples, warmup.OracleTeacher(), retriever, tmp_path, k=1, K=5, progress=False)

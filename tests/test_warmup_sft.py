@@ -75,7 +75,7 @@ def test_policy_and_rubric_sft_lower_their_losses(tiny_dir, tmp_path, retriever)
     import env
     examples = env.load_split("synthetic", "train", size=3, seed=0)
     warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=2, K=3, progress=False)
-    records = warmup.read_jsonl(tmp_path / "records.jsonl")
+    records = env.read_jsonl(tmp_path / "records.jsonl")
     pi_examples = warmup.policy_sft_examples(records)
     mu_items = warmup.rubric_sft_examples(warmup.filter_records(records, 3)[0])
     assert pi_examples and mu_items
@@ -103,7 +103,7 @@ def test_score_head_fit_lowers_eq7_score_term_and_moves_only_the_head(tiny_dir, 
     """--sft-head-steps: Adam on Eq. 7's score term over φ alone; the backbone's weights stay as they were."""
     examples = env.load_split("synthetic", "train", size=3, seed=0)
     warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=2, K=3, progress=False)
-    items = warmup.rubric_sft_examples(warmup.filter_records(warmup.read_jsonl(tmp_path / "records.jsonl"), 3)[0])
+    items = warmup.rubric_sft_examples(warmup.filter_records(env.read_jsonl(tmp_path / "records.jsonl"), 3)[0])
     torch.manual_seed(0)
     mu = rm.RubricModel(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), k=3)
     backbone = {k: v.clone() for k, v in mu.backbone.model.state_dict().items()}
@@ -124,7 +124,7 @@ def test_pi_sft_backward_is_the_plain_token_mean(tiny_dir, tmp_path, retriever):
     import env
     examples = env.load_split("synthetic", "train", size=3, seed=0)
     warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=1, K=3, progress=False)
-    pi_examples = warmup.policy_sft_examples(warmup.read_jsonl(tmp_path / "records.jsonl"))[:5]
+    pi_examples = warmup.policy_sft_examples(env.read_jsonl(tmp_path / "records.jsonl"))[:5]
     pi = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
     rm.add_lora(pi)
     torch.manual_seed(0)
@@ -152,7 +152,7 @@ def test_rubric_sft_backward_is_rubric_sft_loss(tiny_dir, tmp_path, retriever, m
     import env
     examples = env.load_split("synthetic", "train", size=2, seed=0)
     warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=2, K=3, progress=False)
-    items = warmup.rubric_sft_examples(warmup.filter_records(warmup.read_jsonl(tmp_path / "records.jsonl"), 3)[0])[:5]
+    items = warmup.rubric_sft_examples(warmup.filter_records(env.read_jsonl(tmp_path / "records.jsonl"), 3)[0])[:5]
     torch.manual_seed(0)
     mu = rm.RubricModel(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), k=3, rubric_mode=mode)
     rm.add_lora(mu.backbone)
@@ -176,7 +176,7 @@ def test_pi_sft_keeps_the_epoch_with_the_best_dev_em(tiny_dir, tmp_path, retriev
     import env
     examples = env.load_split("synthetic", "train", size=3, seed=0)
     warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=1, K=3, progress=False)
-    pi_examples = warmup.policy_sft_examples(warmup.read_jsonl(tmp_path / "records.jsonl"))
+    pi_examples = warmup.policy_sft_examples(env.read_jsonl(tmp_path / "records.jsonl"))
     pi = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
     probe = (rm.chat_prompt_ids(pi.tokenizer, pi_examples[0]["messages"]), rm.encode_response(pi, pi_examples[0]["target"]))
     seen = []
