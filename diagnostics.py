@@ -50,7 +50,6 @@ import re
 import string
 import sys
 import threading
-import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -472,7 +471,6 @@ class OpenAIJudge:
     def __init__(self, model: str = "gpt-4o-mini", base_url: str | None = None, api_key: str | None = None,
                  timeout: float = 60.0, max_retries: int = 3, backoff: float = 1.0, max_tokens: int = 16):
         import openai
-        self.openai = openai
         try:
             self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0)
         except openai.OpenAIError as e:
@@ -487,34 +485,14 @@ class OpenAIJudge:
         with self.lock:
             self.counters[key] += k
 
-    def _retryable(self, e: Exception) -> bool:
-        o = self.openai
-        if isinstance(e, (o.APITimeoutError, o.APIConnectionError)):
-            return True
-        return isinstance(e, o.APIStatusError) and (e.status_code in (408, 409, 429) or e.status_code >= 500)
-
     def chat(self, messages: list[dict]) -> str | None:
-        """One greedy completion, with retries; None when the API fails for good."""
-        for attempt in range(self.max_retries + 1):
-            self._count("calls")
-            try:
-                r = self.client.chat.completions.create(model=self.model, messages=messages, temperature=0.0,
-                                                        max_tokens=self.max_tokens)
-            except self.openai.OpenAIError as e:
-                if self._retryable(e) and attempt < self.max_retries:
-                    self._count("retries")
-                    time.sleep(min(self.backoff * 2 ** attempt, 60.0))
-                    continue
-                key = self.client.api_key or ""
-                text = str(e).replace(key, "[redacted]") if len(key) >= 4 else str(e)
-                self.last_error = f"{type(e).__name__}: {text[:300]}"
-                self._count("failed_calls")
-                return None
-            if r.usage is not None:
-                self._count("prompt_tokens", r.usage.prompt_tokens or 0)
-                self._count("completion_tokens", r.usage.completion_tokens or 0)
-            return (r.choices[0].message.content or "") if r.choices else ""
-        return None
+        """One greedy completion (warmup.chat_completion, with its retries); None when the API fails for good."""
+        try:
+            return warmup.chat_completion(self.client, self.model, messages, 0.0, self.max_tokens, self.max_retries,
+                                          self.backoff, self.counters, self.lock)
+        except warmup.TeacherError as e:
+            self.last_error = str(e)
+            return None
 
     def _judged(self, reply: str | None, value: int | None, lo: int, hi: int) -> int | None:
         if reply is None:

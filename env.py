@@ -51,9 +51,10 @@ class Args:
 # 0. Files: the one JSON / JSONL reader and writer of every script (the API key never reaches disk)
 # ----------------------------------------------------------------------------------------
 
-def scrub(text: str) -> str:
-    """Remove the API key from any text about to be written (error messages may echo it)."""
-    key = os.environ.get("OPENAI_API_KEY", "")
+def scrub(text: str, key: str | None = None) -> str:
+    """Remove the API key (`key`, else $OPENAI_API_KEY) from any text about to be written or shown
+    (error messages may echo it)."""
+    key = key or os.environ.get("OPENAI_API_KEY", "")
     return text.replace(key, "[redacted]") if len(key) >= 4 else text
 
 

@@ -771,6 +771,42 @@ def parse_annotation(text: str, T: int, K: int) -> tuple[list[list[str]], list[l
     return criteria, scores, issues
 
 
+def chat_completion(client, model: str, messages: list[dict], temperature: float, max_tokens: int, max_retries: int,
+                    backoff: float, counters: Counter, lock: threading.Lock, stop: threading.Event | None = None) -> str:
+    """One chat completion on any OpenAI-compatible endpoint: the one API call of the teacher and of
+    diagnostics.py's judge. HTTP 408/409/429/5xx, timeouts and connection errors are retried after
+    backoff · 2^attempt s (at most 60); other errors, and errors that outlast the retries, raise
+    TeacherError with the API key scrubbed. Counts calls, retries, failed_calls and tokens."""
+    import openai                                   # optional: only the API teacher and judge need it
+
+    def count(key: str, k: int = 1) -> None:
+        with lock:
+            counters[key] += k
+    for attempt in range(max_retries + 1):
+        if stop is not None and stop.is_set():
+            raise KeyboardInterrupt
+        count("calls")
+        try:
+            r = client.chat.completions.create(model=model, messages=messages, temperature=temperature,
+                                               max_tokens=max_tokens)
+        except openai.OpenAIError as e:
+            status = getattr(e, "status_code", None)
+            transient = isinstance(e, (openai.APITimeoutError, openai.APIConnectionError)) or (
+                isinstance(e, openai.APIStatusError) and (status in (408, 409, 429) or status >= 500))
+            if transient and attempt < max_retries:
+                count("retries")
+                time.sleep(min(backoff * 2 ** attempt, 60.0))
+                continue
+            count("failed_calls")
+            raise TeacherError(f"{type(e).__name__}{f' {status}' if status else ''}: "
+                               f"{env.scrub(str(e), getattr(client, 'api_key', None))[:300]}") from None
+        if r.usage is not None:
+            count("prompt_tokens", r.usage.prompt_tokens or 0)
+            count("completion_tokens", r.usage.completion_tokens or 0)
+        return (r.choices[0].message.content or "") if r.choices else ""
+    raise TeacherError("no attempt made")  # max_retries < 0
+
+
 class OpenAITeacher:
     """Policy and rubric annotator served by any OpenAI-compatible endpoint.
 
@@ -788,7 +824,6 @@ class OpenAITeacher:
                  policy_max_tokens: int = 128, rubric_max_tokens: int = 2048, price_input: float = 0.15,
                  price_output: float = 0.60, obs_chars: int = 400, format_retries: int = 1, client=None):
         import openai
-        self.openai = openai
         try:
             self.client = client or openai.OpenAI(timeout=timeout, max_retries=0)
         except openai.OpenAIError as e:
@@ -812,39 +847,9 @@ class OpenAITeacher:
                 "prompt_tokens": c["prompt_tokens"], "completion_tokens": c["completion_tokens"],
                 "cost_usd": round(cost, 6)}
 
-    def _retryable(self, e: Exception) -> bool:
-        o = self.openai
-        if isinstance(e, (o.APITimeoutError, o.APIConnectionError)):
-            return True
-        return isinstance(e, o.APIStatusError) and (e.status_code in (408, 409, 429) or e.status_code >= 500)
-
     def chat(self, model: str, messages: list[dict], temperature: float, max_tokens: int) -> str:
-        """One chat completion, with retries; TeacherError when it fails for good."""
-        for attempt in range(self.max_retries + 1):
-            if self.stop.is_set():
-                raise KeyboardInterrupt
-            try:
-                with self.lock:
-                    self.counters["calls"] += 1
-                r = self.client.chat.completions.create(model=model, messages=messages, temperature=temperature,
-                                                        max_tokens=max_tokens)
-            except self.openai.OpenAIError as e:
-                status = getattr(e, "status_code", None)
-                why = f"{type(e).__name__}{f' {status}' if status else ''}: {env.scrub(str(e))[:300]}"
-                if not self._retryable(e) or attempt == self.max_retries:
-                    with self.lock:
-                        self.counters["failed_calls"] += 1
-                    raise TeacherError(why) from None
-                with self.lock:
-                    self.counters["retries"] += 1
-                time.sleep(min(self.backoff * 2 ** attempt, 60.0))
-                continue
-            if r.usage is not None:
-                with self.lock:
-                    self.counters["prompt_tokens"] += r.usage.prompt_tokens or 0
-                    self.counters["completion_tokens"] += r.usage.completion_tokens or 0
-            return (r.choices[0].message.content or "") if r.choices else ""
-        raise TeacherError("no attempt made")  # max_retries < 0
+        return chat_completion(self.client, model, messages, temperature, max_tokens, self.max_retries, self.backoff,
+                               self.counters, self.lock, self.stop)
 
     def rollout(self, pairs: Sequence[tuple[env.Example, int]], retriever) -> tuple[list[env.Trajectory], list[dict]]:
         """The API model plays the k samples of a question in the real environment."""
