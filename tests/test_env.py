@@ -405,3 +405,26 @@ def test_cli_errors(tmp_path):
     r = run_cli("--dataset", "musique", "--data-dir", str(tmp_path), ARCO_OFFLINE="1",
                 ARCO_CACHE=str(tmp_path / "c"), ARCO_DATA_DIR="")
     assert r.returncode == 1 and r.stderr.startswith("error: no musique dev data") and "Traceback" not in r.stderr
+
+
+def test_the_one_jsonl_reader_and_writer(tmp_path, monkeypatch):
+    """env.write_jsonl / read_jsonl / write_json: appends add, a line cut short by a kill is dropped (and
+    truncated away with repair), a bad line elsewhere names itself, and the API key never reaches disk."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret-1234")
+    path = tmp_path / "sub" / "rows.jsonl"
+    env.write_jsonl(path, [{"a": 1}, {"b": "é"}])
+    env.write_jsonl(path, [{"c": "key sk-secret-1234 echoed"}], append=True)
+    assert env.read_jsonl(path) == [{"a": 1}, {"b": "é"}, {"c": "key [redacted] echoed"}]
+    assert "é" in path.read_text(encoding="utf-8")                     # UTF-8, not \u escapes
+    with open(path, "a") as f:
+        f.write('{"d": ')                                               # a kill mid-line
+    assert len(env.read_jsonl(path)) == 3 and path.read_text().endswith('{"d": ')
+    assert len(env.read_jsonl(path, repair=True)) == 3 and path.read_text().endswith("}\n")
+    env.write_jsonl(path, [{"e": 5}])                                   # not append: replaced
+    assert env.read_jsonl(path) == [{"e": 5}] and env.read_jsonl(tmp_path / "none.jsonl") == []
+    path.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
+    with pytest.raises(ValueError, match=r"rows.jsonl:2: not valid JSON"):
+        env.read_jsonl(path)
+    env.write_json(tmp_path / "m.json", {"k": "sk-secret-1234"})
+    assert json.loads((tmp_path / "m.json").read_text()) == {"k": "[redacted]"}
+    assert not (tmp_path / "m.json.tmp").exists()
