@@ -147,8 +147,9 @@ class Args:
                                                                       "(~200 tokens per step each)"})
     warmup_size: int | None = field(default=None, metadata={"help": "warmup questions (release 1,000)"})
     warmup_questions: str | None = field(default=None, metadata={
-        "help": "within: the warmup's questions are the first of RL's training questions (release); before: RL's "
-                "training questions leave out every question of the warmup's records (π was not fine-tuned on them)",
+        "help": "within: RL's training questions and the warmup's are the first of one seeded order, so the fewer "
+                "lie among the others (release: its 1,000 warmup questions among its 2,000); before: RL's training "
+                "questions leave out every question of the warmup's records (π was not fine-tuned on them)",
         "choices": ["within", "before"]})
     warmup_samples: int | None = field(default=None, metadata={"help": "warmup: teacher trajectories per question "
                                                                         "(release 3)"})
@@ -186,7 +187,7 @@ PRESETS = {
                 class_balance=True, token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0,
                 pi_lr_sparse=2e-4, pi_lr_dense=1e-4, mu_lr=1e-4, head_lr=1e-3, kl_pi_sparse=0.0, kl_pi_dense=0.05,
                 kl_mu=0.05, alpha=0.5, weight_decay=0.01, max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300,
-                micro_batch=2, pass_tokens=1024, gen_batch=32, mu_examples=0, warmup_size=150, warmup_questions="before",
+                micro_batch=2, pass_tokens=1024, gen_batch=32, mu_examples=0, warmup_size=150, warmup_questions="within",
                 warmup_samples=2, warmup_probe=8, sft_epochs_pi=2, sft_epochs_mu=2, sft_lr_pi=5e-4, sft_lr_mu=3e-4,
                 sft_head_lr=1e-3, sft_head_steps=500, sft_batch_pi=16, sft_batch_mu=8, sft_questions_mu=8),
 }
@@ -213,8 +214,6 @@ def resolve_args(args: Args) -> Args:
                         f"{args.group_size}")
     if args.sparse_baseline == "group" and args.group_size < 2 and (args.sparse_epochs or args.reward == "outcome"):
         problems.append("--sparse-baseline group needs --group-size 2 or more (one sample is its own baseline: A = 0)")
-    if args.warmup_size > args.train_size and args.warmup_questions == "within":
-        problems.append(f"--warmup-size {args.warmup_size} exceeds --train-size {args.train_size}")
     if problems:
         sys.exit("error: " + "; ".join(problems))
     return args
@@ -697,9 +696,10 @@ def ensure_warmup(args: Args) -> Path:
 def training_questions(args: Args, warmup_dir: Path) -> list:
     """Alg. 1's training set D: train_size questions of the seeded training order (env.sample). The warmup
     (warmup.run_from_arco) takes the first warmup_size of the same order; `--warmup-questions within` starts
-    D there too (the release: its 1,000 warmup questions are among its 2,000); `before` leaves out every
-    question of the warmup's records, so RL's groups are not questions π memorised in SFT (at the `cpu`
-    scale those groups all agree, and A = 0)."""
+    D there too, so the smaller set lies in the larger (the release: its 1,000 warmup questions are among
+    its 2,000; the `cpu` preset: its 8 RL questions are among its 150 warmup questions — on HotpotQA the
+    only ones a 135M π ever solves); `before` leaves out every question of the warmup's records (RL on
+    questions π was not fine-tuned on)."""
     if args.warmup_questions == "within":
         return env.load_split(args.dataset, "train", args.data_dir or None, args.train_size, args.seed)
     taught = {r["id"] for path in warmup_dir.glob("records*.jsonl") for r in env.read_jsonl(path)}
