@@ -1481,6 +1481,8 @@ def check_mu_settings(folder: Path, name: str, **asked) -> None:
     --sft-head-steps, kept in metrics.json); otherwise RL would silently start from another μ. A key
     a warmup predates passes, except sft_head_steps, which was 0 before it existed."""
     path = Path(folder) / "metrics.json"
+    if not (Path(folder) / name / "config.json").is_file():
+        return                                                       # no μ there yet: nothing is reused
     made = json.loads(path.read_text()).get("mu", {}).get(name, {}) if path.is_file() else {}
     for key, value in asked.items():
         had = made.get(key, 0 if key == "sft_head_steps" else value)
