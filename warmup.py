@@ -1370,6 +1370,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
             return env.evaluate(dev, policy_act(policy, 0.0, args.max_new_tokens_pi, args.gen_batch), retriever,
                                 obs_chars=args.obs_chars)                   # greedy
         metrics["base"], _ = dev_eval(pi)
+        torch.manual_seed(args.seed)            # π's LoRA initialization and dropout: a warmup repeats exactly
         sft = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi, args.sft_batch_pi, args.seed,
                                args.progress, args.micro_batch, args.weight_decay, dev_eval)
         metrics["pi_sft_loss_per_epoch"] = sft["losses"]
@@ -1394,6 +1395,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         print(f"[warmup] μ SFT: reusing {out_dir / name}", flush=True)
         return metrics
     mu_backbone = load_backbone(args.mu_model or args.model, device=args.device)
+    torch.manual_seed(args.seed)                # μ's score head, LoRA and dropout (whether π was reused or not)
     mu = RubricModel(mu_backbone, k=args.k, rubric_mode=args.rubric, examples=args.mu_examples)
     probe = list(mu_items[:args.warmup_probe])
     m = metrics.setdefault("mu", {}).setdefault(name, {})

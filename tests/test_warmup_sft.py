@@ -1,5 +1,6 @@
 """warmup.py, SFT half: Eq. 7 by hand, π SFT and μ SFT mechanics on a tiny model, and the whole
 warmup (collection → SFT → π_sft/, μ_sft/, metrics.json) end to end on the tiny model."""
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -222,6 +223,11 @@ def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
         scores = mu.score([ctx], [mu.rubric_from_criteria(["a", "b", "c"])])
     assert float(scores.s) == pytest.approx(float(scores.d.mean()))          # Eq. 2 after a reload
     assert metrics["mu"]["mu_sft"]["sft_head_steps"] == 0 and "mu_head_fit_error" not in metrics["mu"]["mu_sft"]
+    torch.manual_seed(12345)            # whatever the process drew before: the same seed, the same warmup
+    again = warmup.run(dataclasses.replace(args, out_dir=str(tmp_path / "again")))
+    repeat = json.loads((again / "metrics.json").read_text())
+    assert repeat["pi_sft_loss_per_epoch"] == metrics["pi_sft_loss_per_epoch"]
+    assert repeat["mu"]["mu_sft"]["mu_sft_loss_per_epoch"] == metrics["mu"]["mu_sft"]["mu_sft_loss_per_epoch"]
     args.sft_head_steps = 10            # a μ whose head was not fitted alone is not reused by a run asking for it
     with pytest.raises(env.DataError, match="--sft-head-steps 0"):
         warmup.run(args)
