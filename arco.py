@@ -683,8 +683,7 @@ def ensure_warmup(args: Args) -> Path:
     need = ["pi_sft"] + ([] if args.reward == "outcome" else [mu_folder(args)])
     warmup.check_retriever(folder, args.retriever, args.retriever_pooling)
     for name in need[1:]:                     # μ's folder, when this run needs one
-        warmup.check_mu_settings(folder, name, sft_questions_mu=args.sft_questions_mu,
-                                 sft_head_steps=args.sft_head_steps)
+        warmup.check_mu_settings(folder, name, args)
     missing = [n for n in need if not (folder / n / "config.json").is_file()]
     if missing:
         print(f"[arco] {folder} has no {' or '.join(m + '/' for m in missing)}: running the offline oracle "

@@ -1310,20 +1310,19 @@ def fit_score_head(mu, items: Sequence[dict], steps: int, lr: float, micro_batch
         root = SharedPrefix(mu.backbone, seqs, [1] * len(seqs))
         pooled = torch.stack([o.hidden_sum / o.length for part in _micro(list(range(len(seqs))), micro_batch)
                               for o in packed_steps(mu.backbone, [seqs[i] for i in part], [1] * len(part), root)])
-    opt = torch.optim.Adam(mu.head.parameters(), lr=lr)
-    mu.head.train()
-    losses = []
-    for _ in range(steps):
-        loss = ((mu.head(pooled).float() - targets) ** 2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    mu.head.eval()
+    def error() -> torch.Tensor:
+        return ((mu.head(pooled).float() - targets) ** 2).mean()
     with torch.no_grad():
-        losses.append(float(((mu.head(pooled).float() - targets) ** 2).mean()))
-    print(f"[warmup] μ score head fit: {steps} steps, squared error {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
-    return [losses[0], losses[-1]]
+        before = float(error())
+    opt = torch.optim.Adam(mu.head.parameters(), lr=lr)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        error().backward()
+        opt.step()
+    with torch.no_grad():
+        after = float(error())
+    print(f"[warmup] μ score head fit: {steps} steps, squared error {before:.4f} -> {after:.4f}", flush=True)
+    return [before, after]
 
 
 def eval_settings(eval_size: int, seed: int, max_new_tokens: int, obs_chars: int, gen_batch: int) -> dict:
@@ -1391,7 +1390,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     if not args.train_mu:
         return metrics
     if (out_dir / name / "config.json").is_file():
-        check_mu_settings(out_dir, name, sft_questions_mu=args.sft_questions_mu, sft_head_steps=args.sft_head_steps)
+        check_mu_settings(out_dir, name, args)
         print(f"[warmup] μ SFT: reusing {out_dir / name}", flush=True)
         return metrics
     mu_backbone = load_backbone(args.mu_model or args.model, device=args.device)
@@ -1400,13 +1399,12 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     probe = list(mu_items[:args.warmup_probe])
     m = metrics.setdefault("mu", {}).setdefault(name, {})
     m["token_reduction"] = args.token_reduction
-    m["sft_questions_mu"] = args.sft_questions_mu
+    m.update({key: getattr(args, key) for key in MU_SFT_SETTINGS})          # what check_mu_settings compares
     m["mu_sft_terms_before"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
     m["mu_sft_loss_per_epoch"] = train_rubric_sft(mu, mu_items, args.sft_epochs_mu, args.sft_lr_mu,
                                                   args.sft_head_lr, args.score_weight, args.sft_batch_mu,
                                                   args.seed, args.progress, args.micro_batch, args.weight_decay,
                                                   args.token_reduction)
-    m["sft_head_steps"] = args.sft_head_steps
     if args.sft_head_steps:
         m["mu_head_fit_error"] = fit_score_head(mu, mu_items, args.sft_head_steps, args.sft_head_lr)
     m["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
@@ -1478,16 +1476,21 @@ def check_retriever(folder: Path, retriever: str, pooling: str) -> None:
                                 f"used {env.EMBEDDED_RETRIEVER}); this run asks for {wanted['retriever']}")
 
 
-def check_mu_settings(folder: Path, name: str, **asked) -> None:
-    """A warmup μ is reused only by runs that ask for the μ SFT it had (--sft-questions-mu,
-    --sft-head-steps, kept in metrics.json); otherwise RL would silently start from another μ. A key
-    a warmup predates passes, except sft_head_steps, which was 0 before it existed."""
+# The μ SFT settings a warmup keeps in metrics.json (same names in arco.py and warmup.py), each with the
+# value a warmup made before the setting existed had (None: such a warmup passes the check).
+MU_SFT_SETTINGS = {"sft_questions_mu": None, "sft_head_steps": 0}
+
+
+def check_mu_settings(folder: Path, name: str, args) -> None:
+    """A warmup μ is reused only by runs that ask for the μ SFT it had (MU_SFT_SETTINGS); otherwise RL
+    would silently start from another μ."""
     path = Path(folder) / "metrics.json"
     if not (Path(folder) / name / "config.json").is_file():
         return                                                       # no μ there yet: nothing is reused
     made = json.loads(path.read_text()).get("mu", {}).get(name, {}) if path.is_file() else {}
-    for key, value in asked.items():
-        had = made.get(key, 0 if key == "sft_head_steps" else value)
+    for key, predated in MU_SFT_SETTINGS.items():
+        value = getattr(args, key)
+        had = made.get(key, value if predated is None else predated)
         if had != value:
             flag = "--" + key.replace("_", "-")
             raise env.DataError(f"the μ in {Path(folder) / name} was fine-tuned with {flag} {had}, this run asks "

@@ -158,6 +158,6 @@ def test_a_warmup_mu_is_reused_only_with_its_own_sft_settings(tmp_path):
     assert arco.ensure_warmup(a) == tmp_path
     fresh = tmp_path / "fresh"                                          # a folder with no μ yet: nothing to refuse
     fresh.mkdir()
-    warmup.check_mu_settings(fresh, "mu_sft", sft_questions_mu=8, sft_head_steps=500)
+    warmup.check_mu_settings(fresh, "mu_sft", a)
     a.reward = "outcome"                  # outcome RL needs no μ
     assert arco.ensure_warmup(a) == tmp_path
