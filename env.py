@@ -16,6 +16,7 @@ which is what lets tests drive the environment with a scripted agent.
 
     python env.py --dataset all                      # load every file, print counts and skips
     python env.py --dataset hotpotqa --check-retrieval   # supporting-title hit rate of the retriever
+    python env.py --dataset hotpotqa --predictions preds.jsonl   # EM / F1 of {"id", "answer"} lines
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from evaluate import exact_match, f1_score, parse_args
+from evaluate import exact_match, f1_score, parse_args, report_predictions
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Args:
     retriever: str = field(default="", metadata={"help": "HF encoder id or path; empty = embedded all-MiniLM-L6-v2"})
     retriever_pooling: str = field(default="mean", metadata={"help": "mean (MiniLM) or cls (SimCSE's own pooling)"})
     check_retrieval: bool = field(default=False, metadata={"help": "measure how often a supporting-title query retrieves a supporting paragraph"})
+    predictions: str = field(default="", metadata={"help": 'score this JSONL of {"id": ..., "answer": ...} against '
+                                                           '--dataset/--split (EM, F1, per question type)'})
 
 
 # ----------------------------------------------------------------------------------------
@@ -784,6 +787,11 @@ def main() -> None:
     datasets = DATASETS if args.dataset == "all" else [args.dataset]
     splits = ("train", "dev") if args.split == "all" else [args.split]
     try:
+        if args.predictions:
+            if args.dataset == "all" or args.split == "all":
+                sys.exit("error: --predictions scores one --dataset and one --split")
+            examples = load_split(args.dataset, args.split, args.data_dir or None, args.size or None, args.seed)
+            sys.exit(report_predictions(args.predictions, examples, f"{args.dataset}/{args.split}"))
         if args.check_retrieval:
             retriever = Retriever(args.retriever or None, pooling=args.retriever_pooling)
             for ds in datasets:

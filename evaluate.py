@@ -1,6 +1,6 @@
-"""Answer metrics for multi-hop QA, with the official HotpotQA semantics, and a CLI that scores a
-file of predictions against a dataset split (paper §4.1). Run comparisons and the diagnostics of μ
-are in diagnostics.py.
+"""Answer metrics for multi-hop QA, with the official HotpotQA semantics, the scoring of a file of
+predictions (paper §4.1), and the command-line helper every script uses (parse_args). Run comparisons
+and the diagnostics of μ are in diagnostics.py.
 
 Paper: §4.1 reports Exact Match (EM) and token-level F1 on every dataset; Algorithm 1,
 line 23 uses EM as the trajectory reward R(τ) ∈ {0, 1}. Both metrics are computed here
@@ -19,12 +19,10 @@ paper's tables:
 Where a question has several gold answers (aliases, e.g. MuSiQue's `answer_aliases`),
 each metric is the maximum over them.
 
-Usage:
-
-  python evaluate.py --predictions preds.jsonl --dataset hotpotqa [--split dev] [--data-dir DIR]
-
-`preds.jsonl` holds one JSON object per line: {"id": "<example id>", "answer": "<text>"}.
-The script prints a markdown table (overall and per question type), then the JSON.
+A file of predictions, one {"id": "<example id>", "answer": "<text>"} object per line, is scored
+by `python env.py --predictions preds.jsonl --dataset hotpotqa [--split dev]` (env.py loads the
+split; report_predictions prints a markdown table, overall and per question type, then the JSON).
+This file imports nothing of the project.
 """
 import argparse
 import dataclasses
@@ -35,19 +33,7 @@ import sys
 import types
 import typing
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
-
-
-@dataclass
-class Args:
-    predictions: str | None = field(default=None, metadata={
-        "help": 'JSONL file, one {"id": ..., "answer": ...} object per line'})
-    dataset: str | None = field(default=None, metadata={
-        "help": "dataset name, as env.load_split knows it (hotpotqa, 2wiki, musique, synthetic)"})
-    split: str = field(default="dev", metadata={"help": "dataset split to score against"})
-    data_dir: str | None = field(default=None, metadata={"help": "folder holding <dataset>/<split>.jsonl; if unset, "
-                                                                 "$ARCO_DATA_DIR, then a download"})
 
 
 # --------------------------------------------------------------------------- CLI helper
@@ -255,21 +241,15 @@ def read_predictions(path: str, known_ids: typing.Container[str] | None = None,
     return predictions
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(Args, argv, description=__doc__)
-    import env  # the project's data loader; imported here so env.py may import this module
-
-    if not args.predictions or not args.dataset:
-        print("error: give --predictions FILE --dataset NAME (to compare runs: diagnostics.py --run DIR)",
-              file=sys.stderr)
-        sys.exit(2)
-    source = f"{args.dataset}/{args.split}"
+def report_predictions(path: str, examples: Sequence, source: str) -> int:
+    """`python env.py --predictions FILE --dataset NAME`: score a predictions file against `examples` (the
+    split env.py loaded), print the markdown table (overall, then per question type) and the JSON; returns
+    the exit status (2 with the file's first error on stderr)."""
     try:
-        examples = env.load_split(args.dataset, args.split, data_dir=args.data_dir)
-        predictions = read_predictions(args.predictions, {ex.id for ex in examples}, source)
-    except (PredictionError, env.DataError) as e:
+        predictions = read_predictions(path, {ex.id for ex in examples}, source)
+    except PredictionError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
     result = score_predictions(predictions, examples)
     if result["missing"]:
         print(f"warning: {result['missing']} of {len(examples)} examples in {source} have no "
@@ -278,7 +258,4 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(format_table(rows, ["type", "n", "em", "f1"]))
     print()
     print(json.dumps(result, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -257,6 +257,25 @@ def test_learning_rate_and_kl_switch_at_the_transition(tiny_run, tiny_dir, monke
     assert seen == [(2e-4, 0.0, 0.01, 4), (2e-4, 0.0, 0.01, 4), (1e-4, 0.05, 0.01, 4)]
 
 
+def test_the_loop_benchmark_times_one_dense_iteration_on_a_saved_batch(tiny_run, tiny_dir):
+    """`diagnostics.py --benchmark` (arco.py's flags): every phase timed beside its raw rate, on the oracle's
+    batch that the first call saves and a later call reads back unchanged."""
+    import diagnostics
+    argv = ["--benchmark"] + tiny_args(tiny_dir, tiny_run, warmup_dir=tiny_run / "synthetic" / "warmup")
+    diagnostics.main(argv)
+    bench = tiny_run / "synthetic" / "benchmark"
+    saved = (bench / "batch.jsonl").read_bytes()
+    result = json.loads(sorted(bench.glob("loop-*.json"))[-1].read_text())
+    assert result["trajectories"] == 4 and result["steps"] >= 4             # --batch-size 4, dense: 4 questions × 1
+    assert set(result["phases"]) == {"π rollout", "μ rubrics + scores", "π update", "μ update"}
+    assert all(p["seconds"] > 0 and p["raw_seconds"] > 0 and p["tokens"] > 0 for p in result["phases"].values())
+    assert result["trajectories_per_minute"] == pytest.approx(60 * 4 / result["seconds"])
+    examples = arco.training_questions(arco.resolve_args(arco.parse_args(arco.Args, argv[1:])), tiny_run)
+    trajs = diagnostics.load_batch(bench / "batch.jsonl", examples)
+    diagnostics.save_batch(tiny_run / "again.jsonl", trajs)
+    assert (tiny_run / "again.jsonl").read_bytes() == saved                  # the batch reads back exactly
+
+
 def test_a_warmup_made_with_another_retriever_is_refused(tiny_run, tiny_dir):
     with pytest.raises(SystemExit, match="retriever all-MiniLM-L6-v2 .*asks for some/other-encoder"):
         arco.main(tiny_args(tiny_dir, tiny_run, name="other-retriever", retriever="some/other-encoder"))

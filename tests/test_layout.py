@@ -5,7 +5,6 @@ from pathlib import Path
 
 ORDER = ["evaluate", "env", "rubric_model", "warmup", "arco", "diagnostics"]
 ROOT = Path(__file__).resolve().parent.parent
-KNOWN_EXCEPTIONS = {("evaluate", "env")}   # the predictions CLI's data loader, inside evaluate.main
 
 
 def project_imports(module: str, nested: bool) -> set[str]:
@@ -26,7 +25,7 @@ def project_imports(module: str, nested: bool) -> set[str]:
 def test_imports_flow_one_way_at_the_top():
     every = {(m, imp) for m in ORDER for nested in (False, True) for imp in project_imports(m, nested)}
     upward = {(m, imp) for m, imp in every if ORDER.index(imp) >= ORDER.index(m)}
-    assert upward == KNOWN_EXCEPTIONS
+    assert upward == set()
     inside = {(m, imp) for m in ORDER for imp in project_imports(m, nested=True)}
-    assert inside == KNOWN_EXCEPTIONS                   # no project import hides inside a function
+    assert inside == set()                              # no project import hides inside a function
     assert not any(imp == "diagnostics" for _, imp in every)    # nothing imports the diagnostics

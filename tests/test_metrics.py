@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,33 +192,15 @@ def test_read_predictions_ok(tmp_path):
     assert read_predictions(str(path), known_ids={"a", "b"}) == {"a": "Paris", "b": ""}
 
 
-# --------------------------------------------------------------------------- CLI, fake env
-class FakeDataError(Exception):
-    pass
+# --------------------------------------------------------------------------- scoring a predictions file
+def run_main(path, examples=EXAMPLES, source="fake/dev"):
+    return evaluate.report_predictions(str(path), examples, source)
 
 
-@pytest.fixture
-def fake_env(monkeypatch):
-    def load_split(dataset, split, data_dir=None, size=None, seed=0):
-        if dataset != "fake":
-            raise FakeDataError(f"no data for {dataset!r}: expected {data_dir}/{dataset}/{split}.jsonl")
-        return EXAMPLES
-    module = types.SimpleNamespace(load_split=load_split, DataError=FakeDataError)
-    monkeypatch.setitem(sys.modules, "env", module)
-
-
-def run_main(argv):
-    try:
-        evaluate.main(argv)
-    except SystemExit as e:
-        return e.code
-    return 0
-
-
-def test_main_with_fake_env(tmp_path, fake_env, capsys):
+def test_report_predictions(tmp_path, capsys):
     lines = [json.dumps({"id": k, "answer": v}) for k, v in PREDICTIONS.items()]
     path = write(tmp_path / "preds.jsonl", lines)
-    assert run_main(["--predictions", str(path), "--dataset", "fake"]) == 0
+    assert run_main(path) == 0
     out, err = capsys.readouterr()
     table, _, js = out.partition("\n\n")
     assert table.splitlines()[:3] == ["| type | n | em | f1 |", "|---|---|---|---|", "| all | 4 | 25.00 | 61.67 |"]
@@ -228,16 +209,13 @@ def test_main_with_fake_env(tmp_path, fake_env, capsys):
     assert "1 of 5 examples" in err
 
 
-def test_main_errors_exit_2(tmp_path, fake_env, capsys):
+def test_report_predictions_errors_exit_2(tmp_path, capsys):
     path = write(tmp_path / "preds.jsonl", [json.dumps({"id": "e1", "answer": "x"}), '{"id": "abc", "answer": "x"}'])
-    assert run_main(["--predictions", str(path), "--dataset", "fake", "--split", "dev"]) == 2
+    assert run_main(path) == 2
     assert capsys.readouterr().err == f"error: {path}:2: unknown id 'abc' (not in fake/dev)\n"
-    assert run_main(["--predictions", str(path), "--dataset", "other", "--data-dir", "d"]) == 2
-    assert capsys.readouterr().err.startswith("error: no data for 'other'")
 
 
-# --------------------------------------------------------------------------- CLI, real env.py
-needs_env = pytest.mark.skipif(not (ROOT / "env.py").exists(), reason="env.py not written yet")
+# --------------------------------------------------------------------------- CLI: python env.py --predictions
 
 
 def hotpot_record(qid, question, answer, qtype):
@@ -258,12 +236,11 @@ def run_cli(tmp_path, pred_lines):
     ])
     preds = write(tmp_path / "preds.jsonl", pred_lines)
     env = {k: v for k, v in os.environ.items() if k != "ARCO_DATA_DIR"}
-    return subprocess.run([sys.executable, "evaluate.py", "--predictions", str(preds), "--dataset", "hotpotqa",
+    return subprocess.run([sys.executable, "env.py", "--predictions", str(preds), "--dataset", "hotpotqa",
                            "--split", "dev", "--data-dir", str(data)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300), preds
 
 
-@needs_env
 def test_cli_real_env(tmp_path):
     proc, _ = run_cli(tmp_path, ['{"id": "q1", "answer": "The Paris"}', '{"id": "q2", "answer": "New York"}',
                                  '{"id": "q3", "answer": "no"}'])
@@ -276,7 +253,6 @@ def test_cli_real_env(tmp_path):
     assert result["by_type"]["comparison"] == pytest.approx({"n": 2, "em": 0.0, "f1": 40.0})
 
 
-@needs_env
 def test_cli_real_env_unknown_id(tmp_path):
     proc, preds = run_cli(tmp_path, ['{"id": "q1", "answer": "Paris"}', "", '{"id": "abc", "answer": "x"}'])
     assert proc.returncode == 2
