@@ -187,7 +187,7 @@ PRESETS = {
                 kl_mu=0.05, alpha=0.5, weight_decay=0.01, max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300,
                 micro_batch=2, pass_tokens=1024, gen_batch=32, mu_examples=0, warmup_size=150, warmup_questions="within",
                 warmup_samples=2, warmup_probe=8, sft_epochs_pi=2, sft_epochs_mu=2, sft_lr_pi=5e-4, sft_lr_mu=3e-4,
-                sft_head_lr=1e-3, sft_head_steps=500, sft_batch_pi=16, sft_batch_mu=8, sft_questions_mu=8),
+                sft_head_lr=1e-3, sft_head_steps=500, sft_batch_pi=8, sft_batch_mu=8, sft_questions_mu=8),
 }
 
 
@@ -465,11 +465,8 @@ def advantages(trajs, s: torch.Tensor | None, dense: bool, args: Args) -> tuple[
         groups = [(t.example.dataset, t.example.id) for t in trajs] if args.sparse_baseline == "group" else None
         A_tau = outcome_advantages([t.reward for t in trajs], groups)
         return [[a if ok else 0.0 for ok in v] for a, v in zip(A_tau, valid)], info
-    G, buckets, at = [], [], 0
-    for t, v in zip(trajs, valid):
-        G.append(reward_to_go(s[at:at + len(t.steps)].tolist()))                   # line 28, Eq. 3
-        buckets.append(step_buckets([st.action for st in t.steps], v))
-        at += len(t.steps)
+    G = [reward_to_go(s[r.start:r.stop].tolist()) for r in env.step_ranges(trajs)]  # line 28, Eq. 3
+    buckets = [step_buckets([st.action for st in t.steps], v) for t, v in zip(trajs, valid)]
     A = bucketed_advantages(G, buckets, valid, args.alpha, args.bucket_fallback)   # line 29, Eq. 4
     per_bucket: dict[str, list[float]] = {}
     for g_t, b_t, v_t in zip(G, buckets, valid):
@@ -553,10 +550,7 @@ def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
     seqs = mu.scoring_ids(contexts, rubrics)
     lens = [len(r.token_ids) if use_kl else 0 for r in rubrics]
     of = [k for k, t in enumerate(trajs) for _ in t.steps]                 # the trajectory of each step
-    units, at = [], 0
-    for t in trajs:
-        units.append(list(range(at, at + len(t.steps))))
-        at += len(t.steps)
+    units = [list(r) for r in env.step_ranges(trajs)]
     mu.train()
     optimizer.zero_grad(set_to_none=True)
     root = SharedPrefix(mu.backbone, seqs, [n + 1 for n in lens], detach=True)
@@ -629,25 +623,24 @@ def warmup_evaluation(warmup_dir: Path, args: Args) -> tuple[dict | None, list[d
 
 def trace_rows(trajs, epoch: int, batch: int, rubrics=None, d=None, s=None, A=None, info=None) -> list[dict]:
     """One JSON row per trajectory: every step's action, observation head, criteria, d_t, s_t, G_t, A_t."""
-    rows, at = [], 0
-    for i, t in enumerate(trajs):
+    rows = []
+    for i, (t, flat) in enumerate(zip(trajs, env.step_ranges(trajs))):
         row = t.to_dict()
         row.update(epoch=epoch, batch=batch)
         for j, st in enumerate(row["steps"]):
             st["observation"] = st["observation"][:160]
             if rubrics is not None:
-                st["criteria"] = rubrics[at + j].criteria
-                st["rubric_parsed"] = rubrics[at + j].parsed
-                if not rubrics[at + j].parsed:
-                    st["rubric_text"] = rubrics[at + j].text[:300]     # what μ wrote, kept when unparseable
-                st["d"] = [round(x, 4) for x in d[at + j].tolist()]
-                st["s"] = round(float(s[at + j]), 4)
+                st["criteria"] = rubrics[flat[j]].criteria
+                st["rubric_parsed"] = rubrics[flat[j]].parsed
+                if not rubrics[flat[j]].parsed:
+                    st["rubric_text"] = rubrics[flat[j]].text[:300]     # what μ wrote, kept when unparseable
+                st["d"] = [round(x, 4) for x in d[flat[j]].tolist()]
+                st["s"] = round(float(s[flat[j]]), 4)
             if info and "G" in info:
                 st["G"] = round(info["G"][i][j], 4)
                 st["bucket"] = info["buckets"][i][j]
             if A is not None:
                 st["A"] = round(A[i][j], 4)
-        at += len(t.steps)
         rows.append(row)
     return rows
 

@@ -1123,11 +1123,7 @@ def heldout_scores(mu, trajs, max_new_tokens: int, batch_size: int) -> tuple[lis
     with torch.no_grad():
         rubrics = mu.generate_rubrics(contexts, temperature=0.0, max_new_tokens=max_new_tokens, batch_size=batch_size)
         s = mu.score(contexts, rubrics, batch_size=batch_size).s.float().cpu().tolist()
-    out, at = [], 0
-    for t in trajs:
-        out.append(s[at:at + len(t.steps)])
-        at += len(t.steps)
-    return out, sum(r.parsed for r in rubrics) / max(len(rubrics), 1)
+    return [s[r.start:r.stop] for r in env.step_ranges(trajs)], sum(r.parsed for r in rubrics) / max(len(rubrics), 1)
 
 
 def _finite(x: float) -> float | str:

@@ -672,6 +672,16 @@ class Trajectory:
                 "answer": self.answer, "reward": self.reward, "finished": self.finished, "steps": steps}
 
 
+def step_ranges(trajs: Sequence[Trajectory]) -> list[range]:
+    """Where each trajectory's steps lie in a flat per-step list (μ's contexts, rubrics, d_t, s_t): the
+    one index bookkeeping of every batch-of-steps tensor."""
+    out, at = [], 0
+    for t in trajs:
+        out.append(range(at, at + len(t.steps)))
+        at += len(t.steps)
+    return out
+
+
 def format_history(steps: Sequence[Step]) -> str:
     """The trajectory prefix h_t as text: each earlier action and its observation."""
     return "\n".join(f"Step {i}: {s.action_text()}\nObservation: {s.observation}" for i, s in enumerate(steps, 1))

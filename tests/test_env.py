@@ -428,3 +428,14 @@ def test_the_one_jsonl_reader_and_writer(tmp_path, monkeypatch):
     env.write_json(tmp_path / "m.json", {"k": "sk-secret-1234"})
     assert json.loads((tmp_path / "m.json").read_text()) == {"k": "[redacted]"}
     assert not (tmp_path / "m.json.tmp").exists()
+
+
+def test_step_ranges_place_each_trajectorys_steps_in_a_flat_list():
+    """The one step-index helper (per-step lists of μ's rubrics, d_t, s_t are flat over a batch)."""
+    ex = env.synthetic_examples(1)[0]
+    trajs = [env.Trajectory(ex, 3) for _ in range(3)]
+    for t, n in zip(trajs, (2, 0, 3)):
+        t.steps = [env.Step([], "x", "search", "q", "o", True, "", 2, False, 0)] * n
+    assert env.step_ranges(trajs) == [range(0, 2), range(2, 2), range(2, 5)]
+    flat = ["a0", "a1", "c0", "c1", "c2"]
+    assert [[flat[i] for i in r] for r in env.step_ranges(trajs)] == [["a0", "a1"], [], ["c0", "c1", "c2"]]
