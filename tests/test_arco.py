@@ -1,6 +1,7 @@
 """arco.py: the policy update against a hand computation on a tiny model, and Algorithm 1 end to
 end (warmup → sparse epoch → dense epoch → evaluation → report), with --resume after a kill."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,7 +191,8 @@ def tiny_args(tiny_dir, out, **kw):
     argv = ["--dataset", "synthetic", "--model", str(tiny_dir), "--train-size", "4", "--eval-size", "3",
             "--epochs", "2", "--sparse-epochs", "1", "--batch-size", "4", "--group-size", "2",
             "--max-new-tokens-pi", "8", "--max-new-tokens-mu", "12", "--out-dir", str(out), "--sft-epochs-pi", "1",
-            "--sft-epochs-mu", "1", "--warmup-samples", "2", "--device", "cpu"]
+            "--sft-epochs-mu", "1", "--warmup-samples", "2", "--device", "cpu",
+            "--sft-batch-pi", "16"]       # pinned: tests/loop_before.json was recorded with the preset's 16 then
     for k, v in kw.items():
         argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     return argv
@@ -240,6 +242,31 @@ def test_whole_loop_leaves_a_readable_run(tiny_run):
     assert sel["selected_epoch"] == 2                           # the only post-transition epoch
     report = (run / "report.md").read_text()
     assert "| 0 | SFT only |" in report and "| 2 | dense |" in report and "Selected" in report
+
+
+def numbers(rows):
+    """metrics.jsonl without what a clock or the machine decides (seconds, peak memory)."""
+    return [{k: v for k, v in r.items() if not k.startswith("seconds") and k != "peak_rss_gib"} for r in rows]
+
+
+def assert_same_numbers(got, before):
+    assert len(got) == len(before)
+    for g, b in zip(got, before):
+        assert g.keys() == b.keys()
+        for k, v in b.items():
+            if isinstance(v, float):
+                assert g[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (b["kind"], b["epoch"], k)
+            elif isinstance(v, dict):
+                assert g[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (b["kind"], b["epoch"], k)
+            else:
+                assert g[k] == v, (b["kind"], b["epoch"], k)
+
+
+def test_the_whole_loop_writes_the_numbers_of_the_code_before_the_redesign(tiny_run):
+    """Issue 14's move-and-delete keeps behaviour: the tiny run's metrics.jsonl (warmup, two epochs,
+    evaluations) against the numbers recorded by commit 05a8185, the code before the redesign's moves."""
+    before = json.loads((Path(__file__).parent / "loop_before.json").read_text())
+    assert_same_numbers(numbers(read_jsonl(tiny_run / "synthetic" / "arco" / "metrics.jsonl")), before)
 
 
 def test_learning_rate_and_kl_switch_at_the_transition(tiny_run, tiny_dir, monkeypatch):
@@ -439,7 +466,8 @@ def test_whole_loop_on_the_embedded_model_and_real_hotpotqa(tmp_path, data_dir):
     argv = ["--dataset", "hotpotqa", "--data-dir", data_dir, "--train-size", "2", "--eval-size", "2",
             "--epochs", "2", "--sparse-epochs", "1", "--batch-size", "2", "--group-size", "2",
             "--max-new-tokens-pi", "16", "--max-new-tokens-mu", "24", "--sft-epochs-pi", "1", "--sft-epochs-mu", "1",
-            "--warmup-samples", "2", "--warmup-probe", "2", "--out-dir", str(tmp_path), "--device", "cpu"]
+            "--warmup-samples", "2", "--warmup-probe", "2", "--out-dir", str(tmp_path), "--device", "cpu",
+            "--sft-batch-pi", "16"]       # pinned: tests/e2e_before.json was recorded with the preset's 16 then
     arco.main(argv)
     run = tmp_path / "hotpotqa" / "arco"
     args = json.loads((run / "args.json").read_text())
@@ -473,3 +501,5 @@ def test_whole_loop_on_the_embedded_model_and_real_hotpotqa(tmp_path, data_dir):
     assert (run / "checkpoints" / "epoch_2" / "mu" / "score_head.safetensors").is_file()
     assert json.loads((run / "selection.json").read_text())["selected_epoch"] == 2
     assert "## Sample training trajectories (epoch 2)" in (run / "report.md").read_text()
+    # Issue 14: the same numbers as the code before the redesign's moves (commit 05a8185)
+    assert_same_numbers(numbers(rows), json.loads((Path(__file__).parent / "e2e_before.json").read_text()))
