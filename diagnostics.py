@@ -1424,16 +1424,6 @@ def load_batch(path: Path, examples) -> list:
     return trajs
 
 
-def _best_seconds(fn, repeats: int = 2) -> float:
-    fn()                                                   # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def raw_rates(bb, n_seqs: int, length: int, response: int) -> dict:
     """Tokens/s of the kinds of pass training makes, on one uniform batch (n_seqs random sequences of
     `length` tokens, no padding): a forward without the LM head (a score pass), a forward with the
@@ -1457,9 +1447,8 @@ def raw_rates(bb, n_seqs: int, length: int, response: int) -> dict:
         (-rubric_model.sequence_logprobs(bb, prompts, responses).sums().sum()).backward()
         for p in params:
             p.grad = None
-    tokens = n_seqs * length
-    return {name: tokens / _best_seconds(fn) for name, fn in (("hidden", hidden), ("forward", forward),
-                                                                ("train", train))}
+    seconds = rubric_model.best_times({"hidden": hidden, "forward": forward, "train": train}, repeats=2)
+    return {name: n_seqs * length / sec for name, sec in seconds.items()}
 
 
 def raw_generation_seconds(bb, n_prompts: int, prompt_len: int, new_tokens: int) -> float:
@@ -1472,14 +1461,14 @@ def raw_generation_seconds(bb, n_prompts: int, prompt_len: int, new_tokens: int)
         with torch.no_grad(), bb.autocast():
             bb.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=bb.tokenizer.pad_token_id)
-    return _best_seconds(run, repeats=1)
+    return rubric_model.best_times({"generate": run}, repeats=1)["generate"]
 
 
 def loop_benchmark(args: arco.Args) -> dict:
-    """`python diagnostics.py --benchmark [arco.py flags]`: one dense iteration of Algorithm 1 (the costliest: every pass of both models runs)
-    at the run's preset on `batch_size` training questions × 1 sample, timed phase by phase, each beside
-    its raw rate measured in the same process on the same shapes (raw_rates). π's rollout of these
-    questions is timed on every call; the later phases all process one fixed batch, saved by the first
+    """`python diagnostics.py --benchmark [arco.py flags]`: one dense iteration of Algorithm 1 (the costliest:
+    every pass of both models runs) at the run's preset on `batch_size` training questions × 1 sample, timed
+    phase by phase, each beside its raw rate measured in the same process on the same shapes (raw_rates).
+    π's rollout of these questions is timed on every call; the later phases all process one fixed batch, saved by the first
     call in runs/<dataset>/benchmark/batch.jsonl: the oracle teacher's trajectories on the same questions
     (gold and imperfect ones, warmup.oracle_script), which hold the valid Search/Finish steps of a policy
     that works, whatever the preset's π does."""
@@ -1490,7 +1479,7 @@ def loop_benchmark(args: arco.Args) -> dict:
     torch.manual_seed(args.seed)
     pi, mu = arco.build_models(args, warmup_dir)
     opt_pi, opt_mu = arco.make_optimizers(pi, mu, args)
-    env.rollout(questions[:1], rubric_model.policy_act(pi, 0.0, 4, 1), retriever)     # warm-up: paragraph index, kernels
+    env.rollout(questions[:1], rubric_model.policy_act(pi, 0.0, 4, 1), retriever)     # warm-up: index, kernels
     phases: dict[str, dict] = {}
 
     def timed(name, fn):
@@ -1515,7 +1504,8 @@ def loop_benchmark(args: arco.Args) -> dict:
     peak_gib = arco.peak_rss_gib()
 
     # Token counts of each phase and the raw rates of the same kinds of pass on the same shapes.
-    pi_items = [(len(rubric_model.chat_prompt_ids(pi.tokenizer, st.prompt)), len(st.output_ids or rubric_model.encode_response(pi, st.output)))
+    pi_items = [(len(rubric_model.chat_prompt_ids(pi.tokenizer, st.prompt)),
+                 len(st.output_ids or rubric_model.encode_response(pi, st.output)))
                 for t in trajs for st in t.steps if st.valid]
     mu_ids = mu.scoring_ids(contexts, rubrics)
     mu_rubric = [len(r.token_ids) for r in rubrics]
@@ -1525,8 +1515,8 @@ def loop_benchmark(args: arco.Args) -> dict:
     rate_mu = raw_rates(mu.backbone, args.micro_batch, mean(list(map(len, mu_ids))), mean(mu_rubric))
     rollout_steps = [st for t in rollout for st in t.steps]
     rounds = max(len(t.steps) for t in rollout)
-    gen_pi = raw_generation_seconds(pi, min(args.gen_batch, len(rollout)),
-                                    mean([len(rubric_model.chat_prompt_ids(pi.tokenizer, st.prompt)) for st in rollout_steps]),
+    prompt_lens = [len(rubric_model.chat_prompt_ids(pi.tokenizer, st.prompt)) for st in rollout_steps]
+    gen_pi = raw_generation_seconds(pi, min(args.gen_batch, len(rollout)), mean(prompt_lens),
                                     mean([len(st.output_ids or []) for st in rollout_steps]))
     gen_mu = raw_generation_seconds(mu.backbone, min(args.gen_batch, len(contexts)),
                                     mean([len(x) - n for x, n in zip(mu_ids, mu_rubric)]), mean(mu_rubric))

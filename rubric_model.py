@@ -1477,7 +1477,7 @@ def parse_rate(rubrics: Sequence[Rubric], k: int) -> dict:
             "k_criteria_after_salvage": sum(r.n_written >= k for r in rubrics) / n}
 
 
-def _best_times(passes: dict, repeats: int) -> dict:
+def best_times(passes: dict, repeats: int) -> dict:
     """Seconds per call of each pass: one warm-up each, then `repeats` rounds that run the
     passes interleaved (so a busy neighbour slows all of them alike); the best round counts."""
     for fn in passes.values():
@@ -1537,7 +1537,7 @@ def benchmark(args: Args) -> dict:
     fns = {"backbone": backbone_only, "full": full_model, "logprobs": logprobs, "score": score_only}
     passes = {(key, precision): under(dtype, fns[key])
               for precision, dtype in (("fp32", None), ("bf16 autocast", torch.bfloat16)) for key in fns}
-    seconds = _best_times(passes, args.bench_repeats)
+    seconds = best_times(passes, args.bench_repeats)
     results: dict = {"shapes": f"batch {B} x {L} tokens, LoRA r 8 on q/v, {torch.get_num_threads()} threads"}
     print(results["shapes"])
     for (key, precision), sec in seconds.items():
