@@ -249,22 +249,33 @@ def numbers(rows):
     return [{k: v for k, v in r.items() if not k.startswith("seconds") and k != "peak_rss_gib"} for r in rows]
 
 
-def assert_same_numbers(got, before):
-    assert len(got) == len(before)
+def first_difference(got, before):
+    """Where two metrics.jsonl number lists first differ (floats: rel 1e-4), or None."""
+    if len(got) != len(before):
+        return f"{len(got)} rows against {len(before)}"
     for g, b in zip(got, before):
-        assert g.keys() == b.keys()
+        if g.keys() != b.keys():
+            return f"{b['kind']} {b['epoch']}: keys {sorted(g)} against {sorted(b)}"
         for k, v in b.items():
-            if isinstance(v, (float, dict)):          # a dict: mean G per bucket
-                assert g[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (b["kind"], b["epoch"], k)
-            else:
-                assert g[k] == v, (b["kind"], b["epoch"], k)
+            same = g[k] == pytest.approx(v, rel=1e-4, abs=1e-6) if isinstance(v, (float, dict)) else g[k] == v
+            if not same:                                  # (a dict: mean G per bucket)
+                return f"{b['kind']} epoch {b['epoch']} batch {b.get('batch')}: {k} = {g[k]} against {v}"
+    return None
+
+
+def assert_same_numbers(got, recorded_file):
+    """The numbers match one of the file's recordings: the same argv run by the code before the change,
+    once per CPU kind (their float32 kernels differ, and the loop's updates amplify the difference)."""
+    doc = json.loads((Path(__file__).parent / recorded_file).read_text())
+    differences = [first_difference(got, before) for before in doc["recordings"]]
+    assert None in differences, (f"no recording of {recorded_file} matches (a CPU kind not recorded yet "
+                                 f"gives other floats; see its _note): " + " | ".join(differences))
 
 
 def test_the_whole_loop_writes_the_numbers_of_the_code_before_the_redesign(tiny_run):
     """Issue 14's move-and-delete keeps behaviour: the tiny run's metrics.jsonl (warmup, two epochs,
     evaluations) against the numbers recorded by commit 05a8185, the code before the redesign's moves."""
-    before = json.loads((Path(__file__).parent / "loop_before.json").read_text())
-    assert_same_numbers(numbers(read_jsonl(tiny_run / "synthetic" / "arco" / "metrics.jsonl")), before)
+    assert_same_numbers(numbers(read_jsonl(tiny_run / "synthetic" / "arco" / "metrics.jsonl")), "loop_before.json")
 
 
 def test_learning_rate_and_kl_switch_at_the_transition(tiny_run, tiny_dir, monkeypatch):
@@ -500,4 +511,4 @@ def test_whole_loop_on_the_embedded_model_and_real_hotpotqa(tmp_path, data_dir):
     assert json.loads((run / "selection.json").read_text())["selected_epoch"] == 2
     assert "## Sample training trajectories (epoch 2)" in (run / "report.md").read_text()
     # Issue 14: the same numbers as the code before the redesign's moves (commit 05a8185)
-    assert_same_numbers(numbers(rows), json.loads((Path(__file__).parent / "e2e_before.json").read_text()))
+    assert_same_numbers(numbers(rows), "e2e_before.json")
