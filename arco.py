@@ -254,45 +254,6 @@ def epoch_batches(train: Sequence, epoch: int, args: Args) -> list[list]:
     return chunks([train[i] for i in order], epoch_plan(args, len(train))[epoch - 1]["questions_per_batch"])
 
 
-def describe_plan(args: Args, n_train: int) -> str:
-    """What --dry-run prints: the schedule, the updates per epoch and the loss scales."""
-    plan = epoch_plan(args, n_train)
-    lines = [f"preset {args.preset}, dataset {args.dataset}, reward {args.reward}: {n_train} training questions "
-             f"(--train-size; fewer if the data holds fewer), {args.eval_size} dev questions, π = {args.model}, "
-             f"μ = {args.mu_model if args.reward == 'arco' else '(none)'}"]
-    for e in plan:
-        kind = "dense " if e["dense"] else "sparse"
-        baseline = (f"A = α (G_t − Ḡ_bucket), α {args.alpha}" + (", one-step buckets take the batch mean"
-                                                                     if args.bucket_fallback else "")) \
-            if e["dense"] else f"A = R − mean of the {args.sparse_baseline}"
-        lines.append(f"  epoch {e['epoch']}: {kind} {e['questions_per_batch']} questions × {e['samples']} = "
-                     f"{e['trajectories_per_update']} trajectories per update, {e['updates']} "
-                     f"update{'s' if e['updates'] != 1 else ''}; π lr "
-                     f"{e['pi_lr']:g}, λ_π {e['kl_pi']:g}; {baseline}"
-                     + ("  [selectable]" if e["selectable"] else ""))
-    total = sum(e["updates"] * e["trajectories_per_update"] for e in plan)
-    lines.append(f"  {sum(e['updates'] for e in plan)} updates, {total} trajectories in all; the checkpoint is the "
-                 f"best dev EM among the [selectable] epochs (after the transition)")
-    per_step = "mean" if args.token_reduction == "mean" else "sum"
-    lines += [
-        "loss scales (token reduction: " + args.token_reduction + ")",
-        f"  Eq. 3: −(1/|B|) Σ_τ Σ_t A_t log π(a_t|h_t) + λ_π (1/|B|) Σ_τ Σ_t {per_step}_i KL(π‖π_ref)_i",
-        f"  Eq. 5: (1/|B|) Σ_τ w_τ (Σ_t s_t − R)²  [w: {'class-balanced' if args.class_balance else '1'}]"
-        f" + β {args.kl_mu:g} · " + ("(1/|B|) Σ_τ Σ_t mean_i KL(μ‖μ_ref)_i" if args.token_reduction == "mean"
-                                   else "mean_t Σ_i KL(μ‖μ_ref)_i"),
-        "  Eq. 7: " + ("mean over tokens of −log p(r̃) + 10 · mean over steps × K of (d − ŝ)²"
-                       if args.token_reduction == "mean" else "mean over steps of [Σ_i −log p(r̃_i) + 10 ‖d − ŝ‖²]"),
-        f"  optimizer: AdamW, weight decay {args.weight_decay:g}; μ lr {args.mu_lr:g}, score head {args.head_lr:g}; "
-        f"rubrics {'greedy' if not args.rubric_temperature else f'sampled at T {args.rubric_temperature:g}'}",
-        f"warmup: {args.warmup_size} questions ({'among' if args.warmup_questions == 'within' else 'apart from'} "
-        f"RL's) × {args.warmup_samples} teacher trajectories; π SFT {args.sft_epochs_pi} epochs (lr {args.sft_lr_pi:g}, "
-        f"batch {args.sft_batch_pi}, best dev EM kept), μ SFT on "
-        f"{f'the first {args.sft_questions_mu} questions' if args.sft_questions_mu else 'every question'}, "
-        f"{args.sft_epochs_mu} epochs (lr {args.sft_lr_mu:g}, head {args.sft_head_lr:g}, batch {args.sft_batch_mu}, "
-        f"last kept){f', then {args.sft_head_steps} steps on the score head alone' if args.sft_head_steps else ''}"]
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------------------
 # The equations (Eq. 3–5, Alg. 1 line 31)
 # ----------------------------------------------------------------------------------------
@@ -438,7 +399,7 @@ def rubric_loss(s: torch.Tensor, trajectory: torch.Tensor, R: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------------------
-# One iteration of Algorithm 1
+# One iteration of Algorithm 1 (lines 5–38)
 # ----------------------------------------------------------------------------------------
 
 def chunks(items: Sequence, size: int) -> list:
@@ -593,77 +554,106 @@ def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
     return {"rubric_loss": total, "decomposition_mse": mse, "kl_mu": kl_sum / max(sum(lens), 1)}
 
 
-# ----------------------------------------------------------------------------------------
-# Evaluation, checkpoints, traces
-# ----------------------------------------------------------------------------------------
-
-def evaluate_policy(pi, examples, args: Args, retriever) -> tuple[dict, list]:
-    """Greedy dev evaluation (env.evaluate): EM, F1, searches, invalid-step rate."""
-    return env.evaluate(examples, policy_act(pi, 0.0, args.max_new_tokens_pi, args.gen_batch), retriever,
-                        args.max_searches, args.obs_chars)
-
-
-def warmup_evaluation(warmup_dir: Path, args: Args) -> tuple[dict | None, list[dict]]:
-    """The warmup's SFT-only dev evaluation, when it was made with this run's settings: epoch 0
-    is then not evaluated again. (π at epoch 0 is π_sft plus a fresh LoRA whose B = 0, which
-    adds exact zeros: greedy decoding gives the same trajectories; tests/test_arco.py checks it.)"""
-    path = warmup_dir / "metrics.json"
-    metrics = json.loads(path.read_text()) if path.is_file() else {}
-    wanted = warmup.eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars, args.gen_batch)
-    traces = warmup_dir / "eval_sft_only.jsonl"
-    if args.max_searches is not None or metrics.get("sft_only_settings") != wanted or not traces.is_file():
-        return None, []
-    rows = [{**r, "epoch": 0, "batch": -1} for r in env.read_jsonl(traces)]
-    for r in rows:
-        for st in r["steps"]:
-            st["observation"] = st["observation"][:160]
-    print(f"[arco] epoch 0 (SFT only): the warmup's evaluation, same settings ({traces})", flush=True)
-    return metrics["sft_only"], rows
-
-
-def trace_rows(trajs, epoch: int, batch: int, rubrics=None, d=None, s=None, A=None, info=None) -> list[dict]:
-    """One JSON row per trajectory: every step's action, observation head, criteria, d_t, s_t, G_t, A_t."""
-    rows = []
-    for i, (t, flat) in enumerate(zip(trajs, env.step_ranges(trajs))):
-        row = t.to_dict()
-        row.update(epoch=epoch, batch=batch)
-        for j, st in enumerate(row["steps"]):
-            st["observation"] = st["observation"][:160]
-            if rubrics is not None:
-                st["criteria"] = rubrics[flat[j]].criteria
-                st["rubric_parsed"] = rubrics[flat[j]].parsed
-                if not rubrics[flat[j]].parsed:
-                    st["rubric_text"] = rubrics[flat[j]].text[:300]     # what μ wrote, kept when unparseable
-                st["d"] = [round(x, 4) for x in d[flat[j]].tolist()]
-                st["s"] = round(float(s[flat[j]]), 4)
-            if info and "G" in info:
-                st["G"] = round(info["G"][i][j], 4)
-                st["bucket"] = info["buckets"][i][j]
-            if A is not None:
-                st["A"] = round(A[i][j], 4)
-        rows.append(row)
-    return rows
-
-
-def save_checkpoint(folder: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: list[dict],
-                    next_batch: int = 0) -> None:
-    """π's and μ's adapters (+ μ's score head), optimizer states and the metrics so far, as they
-    are after `epoch` (or, with next_batch > 0, after batch next_batch − 1 of `epoch`: Ctrl-C).
-    Written to a temporary folder, then renamed: a kill never leaves a half checkpoint."""
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_backbone(pi, tmp / "pi")
+def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, args: Args, retriever,
+              run_dir: Path) -> dict:
+    """One iteration of Algorithm 1 (lines 5–38) on one batch; appends its metrics and traces."""
+    torch.manual_seed(args.seed * 1_000_003 + epoch * 1009 + b)   # resumable: sampling seeded per batch
+    row: dict = {"kind": "update", "epoch": epoch, "batch": b, "dense": dense}
+    t0 = time.time()
+    group = [ex for ex in batch for _ in range(1 if dense else args.group_size)]     # B: G samples when sparse
+    trajs = env.rollout(group, policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch),
+                        retriever, args.max_searches, args.obs_chars)                    # lines 6–14
+    row["seconds_rollout"] = time.time() - t0
+    contexts = rubrics = d = s = None
     if mu is not None:
-        mu.save(tmp / "mu")
-    torch.save({"opt_pi": opt_pi.state_dict(), "opt_mu": opt_mu.state_dict() if opt_mu else None}, tmp / "optim.pt")
-    (tmp / "state.json").write_text(json.dumps({"epoch": epoch, "next_batch": next_batch, "history": history},
-                                               indent=1))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+        t0 = time.time()
+        contexts, rubrics, d, s = annotate(mu, trajs, args)                             # lines 15–19
+        row["seconds_mu_annotate"] = time.time() - t0
+    A, info = advantages(trajs, s, dense, args)                                         # lines 26–32
+    t0 = time.time()
+    kl_pi = args.kl_pi_dense if dense else args.kl_pi_sparse
+    row.update(policy_update(pi, opt_pi, trajs, A, args, kl_pi))                        # lines 33–35
+    row["seconds_pi_update"] = time.time() - t0
+    if mu is not None:
+        t0 = time.time()
+        row.update(rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))           # lines 36–38
+        row["seconds_mu_update"] = time.time() - t0
+    steps = [st for t in trajs for st in t.steps]
+    row.update(trajectories=len(trajs), questions=len(batch), mean_R=sum(t.reward for t in trajs) / len(trajs),
+               invalid_rate=sum(not st.valid for st in steps) / len(steps),
+               mean_s=float(s.mean()) if s is not None else None,
+               rubric_parse_rate=sum(r.parsed for r in rubrics) / len(rubrics) if rubrics else None,
+               mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gib=peak_rss_gib())
+    env.write_jsonl(run_dir / "metrics.jsonl", [row], append=True)
+    env.write_jsonl(run_dir / "traces" / f"epoch_{epoch}.jsonl", trace_rows(trajs, epoch, b, rubrics, d, s, A, info),
+                    append=True)
+    return row
 
 
 # ----------------------------------------------------------------------------------------
-# The run
+# The run: Algorithm 1 from the warmup to the selected checkpoint
+# ----------------------------------------------------------------------------------------
+
+def run(args: Args) -> Path:
+    """Algorithm 1 end to end, the warmup first where it is missing; returns the run folder."""
+    run_dir, last = open_run(args)                                   # plumbing: a new folder, or --resume's
+    warmup_dir = ensure_warmup(args)                                 # §3.2, App. B: π_sft and μ_sft
+    train = training_questions(args, warmup_dir)                     # D
+    dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size, args.seed)
+    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)       # R
+    torch.manual_seed(args.seed)                 # the fresh LoRA adapters' initialization
+    pi, mu = build_models(args, warmup_dir)                          # line 1: π ← π_sft, μ ← μ_sft
+    opt_pi, opt_mu = make_optimizers(pi, mu, args)
+    if last is None:                             # epoch 0: the SFT-only policy's dev evaluation
+        history, start_epoch, start_batch = [sft_only_evaluation(run_dir, warmup_dir, pi, dev, args, retriever)], 1, 0
+    else:
+        pi, mu, opt_pi, opt_mu, start_epoch, start_batch, history = resume_from(last, run_dir, args)
+
+    from tqdm import tqdm
+    try:
+        with CtrlC() as ctrl_c:
+            for epoch in range(start_epoch, args.epochs + 1):                                # Alg. 1, line 3
+                dense = is_dense(epoch, args)                                                  # line 4
+                for g in opt_pi.param_groups:
+                    g["lr"] = args.pi_lr_dense if dense else args.pi_lr_sparse
+                batches = epoch_batches(train, epoch, args)
+                first = start_batch if epoch == start_epoch else 0
+                for b in tqdm(range(first, len(batches)), desc=f"epoch {epoch} ({'dense' if dense else 'sparse'})"):
+                    row = iteration(pi, mu, opt_pi, opt_mu, batches[b], epoch, b, dense, args, retriever,
+                                    run_dir)                                                   # lines 5–38
+                    tqdm.write(update_line(row, epoch, b))
+                    if ctrl_c.requested and b + 1 < len(batches):
+                        ctrl_c.stop(run_dir, pi, mu, opt_pi, opt_mu, epoch, history, b + 1)
+                ev, trajs = evaluate_policy(pi, dev, args, retriever)
+                history.append(log_evaluation(run_dir, epoch, ev, trace_rows(trajs, epoch, -1), dense))
+                save_checkpoint(run_dir / "checkpoints" / f"epoch_{epoch}", pi, mu, opt_pi, opt_mu, epoch, history)
+                if ctrl_c.requested and epoch < args.epochs:
+                    ctrl_c.stop(run_dir, pi, mu, opt_pi, opt_mu, epoch, history)
+    except NonFiniteLoss as e:
+        kept = latest_checkpoint(run_dir / "checkpoints")
+        sys.exit(f"error: {e} at epoch {epoch}, batch {b}; nothing of this batch was saved. The last good "
+                 f"checkpoint is {kept or 'none (no epoch finished yet)'}: lower the learning rates and rerun "
+                 f"with --resume.")
+    write_selection(run_dir, history, args)
+    write_report(run_dir, history, args)
+    return run_dir
+
+
+def select_checkpoint(history: list[dict], sparse_epochs: int) -> dict:
+    """The paper's rule (§4.1): the best dev-EM epoch after the dense transition, i.e. after the
+    `sparse_epochs` sparse ones (EM ties: warmup.dev_rank, then the earlier); the best overall, epoch 0
+    included, is recorded beside it. (The release has no selection code: its per-epoch evaluations are
+    read by hand.)"""
+    trained = [h for h in history if h["epoch"] >= 1]
+    post = [h for h in trained if h["epoch"] > sparse_epochs] or trained or history
+    best_post = max(post, key=lambda h: (*dev_rank(h), -h["epoch"]))
+    best_all = max(history, key=lambda h: (*dev_rank(h), -h["epoch"]))
+    return {"selected_epoch": best_post["epoch"], "selected": best_post,
+            "best_overall_epoch": best_all["epoch"], "best_overall": best_all}
+
+
+# ----------------------------------------------------------------------------------------
+# Plumbing: the warmup and the models, evaluation logs, checkpoints, --resume, Ctrl-C, reports
 # ----------------------------------------------------------------------------------------
 
 def ensure_warmup(args: Args) -> Path:
@@ -736,46 +726,160 @@ def make_optimizers(pi, mu, args: Args):
     return opt_pi, opt_mu
 
 
+def evaluate_policy(pi, examples, args: Args, retriever) -> tuple[dict, list]:
+    """Greedy dev evaluation (env.evaluate): EM, F1, searches, invalid-step rate."""
+    return env.evaluate(examples, policy_act(pi, 0.0, args.max_new_tokens_pi, args.gen_batch), retriever,
+                        args.max_searches, args.obs_chars)
+
+
+def warmup_evaluation(warmup_dir: Path, args: Args) -> tuple[dict | None, list[dict]]:
+    """The warmup's SFT-only dev evaluation, when it was made with this run's settings: epoch 0
+    is then not evaluated again. (π at epoch 0 is π_sft plus a fresh LoRA whose B = 0, which
+    adds exact zeros: greedy decoding gives the same trajectories; tests/test_arco.py checks it.)"""
+    path = warmup_dir / "metrics.json"
+    metrics = json.loads(path.read_text()) if path.is_file() else {}
+    wanted = warmup.eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars, args.gen_batch)
+    traces = warmup_dir / "eval_sft_only.jsonl"
+    if args.max_searches is not None or metrics.get("sft_only_settings") != wanted or not traces.is_file():
+        return None, []
+    rows = [{**r, "epoch": 0, "batch": -1} for r in env.read_jsonl(traces)]
+    for r in rows:
+        for st in r["steps"]:
+            st["observation"] = st["observation"][:160]
+    print(f"[arco] epoch 0 (SFT only): the warmup's evaluation, same settings ({traces})", flush=True)
+    return metrics["sft_only"], rows
+
+
+def open_run(args: Args) -> tuple[Path, Path | None]:
+    """The run folder (args.json written), and with --resume the checkpoint to continue from."""
+    run_dir = Path(args.out_dir) / args.dataset / args.name
+    ckpt_dir = run_dir / "checkpoints"
+    if run_dir.exists() and not args.resume and (run_dir / "metrics.jsonl").exists():
+        sys.exit(f"error: {run_dir} already holds a run: pass --resume to continue it, or --name for a new one")
+    last = latest_checkpoint(ckpt_dir) if args.resume else None
+    if args.resume and last is None:
+        sys.exit(f"error: --resume: {ckpt_dir} holds no finished epoch or Ctrl-C checkpoint to continue from; "
+                 f"check --name / --out-dir, or start afresh under another --name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env.write_json(run_dir / "args.json", asdict(args))
+    return run_dir, last
+
+
+def sft_only_evaluation(run_dir: Path, warmup_dir: Path, pi, dev, args: Args, retriever) -> dict:
+    """A new run starts with empty logs and epoch 0: the SFT-only policy on the dev questions (the
+    warmup's own evaluation when it was made with this run's settings)."""
+    (run_dir / "metrics.jsonl").write_text("")
+    shutil.rmtree(run_dir / "traces", ignore_errors=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    ev, rows = warmup_evaluation(warmup_dir, args)
+    if ev is None:
+        ev, trajs = evaluate_policy(pi, dev, args, retriever)
+        rows = trace_rows(trajs, 0, -1)
+    return log_evaluation(run_dir, 0, ev, rows)
+
+
+def log_evaluation(run_dir: Path, epoch: int, ev: dict, rows: list[dict], dense: bool | None = None) -> dict:
+    """One dev evaluation into metrics.jsonl and traces/eval_epoch_<epoch>.jsonl; returns its history row."""
+    env.write_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": epoch, **ev}], append=True)
+    env.write_jsonl(run_dir / "traces" / f"eval_epoch_{epoch}.jsonl", rows, append=True)
+    print(f"[arco] epoch {epoch}{' (SFT only)' if epoch == 0 else ''}: dev EM {ev['em']:.1f} F1 {ev['f1']:.1f} "
+          f"invalid {ev['invalid_rate']:.2f} (peak RSS so far {peak_rss_gib():.1f} GiB)", flush=True)
+    return {"epoch": epoch, **ev} if dense is None else {"epoch": epoch, "dense": dense, **ev}
+
+
+def update_line(row: dict, epoch: int, b: int) -> str:
+    """The one-line log of an update (every number is also in metrics.jsonl)."""
+    mu_part = (f" dec-MSE {row['decomposition_mse']:.4f} KLμ {row['kl_mu']:.4f} s̄ {row['mean_s']:+.3f}"
+               if "rubric_loss" in row else "")
+    return (f"[arco] epoch {epoch} batch {b}: R {row['mean_R']:.2f} policy loss {row['policy_loss']:+.4f} "
+            f"KLπ {row['kl_pi']:.4f}{mu_part} invalid {row['invalid_rate']:.2f}")
+
+
+def resume_from(folder: Path, run_dir: Path, args: Args):
+    """Rebuild π, μ and their optimizers as they were in a checkpoint, and drop from the logs what
+    comes after it; returns them with the epoch and batch to continue from and the evaluations so far."""
+    pi, _ = load_backbone_checkpoint(folder / "pi", device=args.device)
+    mu = RubricModel.load(folder / "mu", device=args.device) if (folder / "mu").is_dir() else None
+    state = torch.load(folder / "optim.pt", weights_only=True)
+    opt_pi, opt_mu = make_optimizers(pi, mu, args)
+    opt_pi.load_state_dict(state["opt_pi"])
+    if mu is not None:
+        opt_mu.load_state_dict(state["opt_mu"])
+    saved = json.loads((folder / "state.json").read_text())
+    epoch, batch = (saved["epoch"], saved["next_batch"]) if saved.get("next_batch") else (saved["epoch"] + 1, 0)
+    rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("epoch", 0) < epoch or (
+        r["epoch"] == epoch and r["kind"] == "update" and r["batch"] < batch))
+    for f in (run_dir / "traces").glob("*epoch_*.jsonl"):
+        if int(f.stem.split("_")[-1]) >= epoch:
+            rewrite_jsonl(f, lambda r: not f.name.startswith("eval") and r["batch"] < batch and r["epoch"] == epoch)
+    print(f"[arco] resuming {run_dir} at epoch {epoch}, batch {batch}", flush=True)
+    return pi, mu, opt_pi, opt_mu, epoch, batch, saved["history"]
+
+
+def trace_rows(trajs, epoch: int, batch: int, rubrics=None, d=None, s=None, A=None, info=None) -> list[dict]:
+    """One JSON row per trajectory: every step's action, observation head, criteria, d_t, s_t, G_t, A_t."""
+    rows = []
+    for i, (t, flat) in enumerate(zip(trajs, env.step_ranges(trajs))):
+        row = t.to_dict()
+        row.update(epoch=epoch, batch=batch)
+        for j, st in enumerate(row["steps"]):
+            st["observation"] = st["observation"][:160]
+            if rubrics is not None:
+                st["criteria"] = rubrics[flat[j]].criteria
+                st["rubric_parsed"] = rubrics[flat[j]].parsed
+                if not rubrics[flat[j]].parsed:
+                    st["rubric_text"] = rubrics[flat[j]].text[:300]     # what μ wrote, kept when unparseable
+                st["d"] = [round(x, 4) for x in d[flat[j]].tolist()]
+                st["s"] = round(float(s[flat[j]]), 4)
+            if info and "G" in info:
+                st["G"] = round(info["G"][i][j], 4)
+                st["bucket"] = info["buckets"][i][j]
+            if A is not None:
+                st["A"] = round(A[i][j], 4)
+        rows.append(row)
+    return rows
+
+
 def peak_rss_gib() -> float:
     """The process's peak resident memory so far in GiB (Linux reports KiB), logged with every update."""
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
-def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, args: Args, retriever,
-              run_dir: Path) -> dict:
-    """One iteration of Algorithm 1 (lines 5–38) on one batch; appends its metrics and traces."""
-    torch.manual_seed(args.seed * 1_000_003 + epoch * 1009 + b)   # resumable: sampling seeded per batch
-    row: dict = {"kind": "update", "epoch": epoch, "batch": b, "dense": dense}
-    t0 = time.time()
-    group = [ex for ex in batch for _ in range(1 if dense else args.group_size)]     # B: G samples when sparse
-    trajs = env.rollout(group, policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch),
-                        retriever, args.max_searches, args.obs_chars)                    # lines 6–14
-    row["seconds_rollout"] = time.time() - t0
-    contexts = rubrics = d = s = None
+def save_checkpoint(folder: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: list[dict],
+                    next_batch: int = 0) -> None:
+    """π's and μ's adapters (+ μ's score head), optimizer states and the metrics so far, as they
+    are after `epoch` (or, with next_batch > 0, after batch next_batch − 1 of `epoch`: Ctrl-C).
+    Written to a temporary folder, then renamed: a kill never leaves a half checkpoint."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_backbone(pi, tmp / "pi")
     if mu is not None:
-        t0 = time.time()
-        contexts, rubrics, d, s = annotate(mu, trajs, args)                             # lines 15–19
-        row["seconds_mu_annotate"] = time.time() - t0
-    A, info = advantages(trajs, s, dense, args)                                         # lines 26–32
-    t0 = time.time()
-    kl_pi = args.kl_pi_dense if dense else args.kl_pi_sparse
-    row.update(policy_update(pi, opt_pi, trajs, A, args, kl_pi))                        # lines 33–35
-    row["seconds_pi_update"] = time.time() - t0
-    if mu is not None:
-        t0 = time.time()
-        row.update(rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))           # lines 36–38
-        row["seconds_mu_update"] = time.time() - t0
-    steps = [st for t in trajs for st in t.steps]
-    row.update(trajectories=len(trajs), questions=len(batch), mean_R=sum(t.reward for t in trajs) / len(trajs),
-               invalid_rate=sum(not st.valid for st in steps) / len(steps),
-               mean_s=float(s.mean()) if s is not None else None,
-               rubric_parse_rate=sum(r.parsed for r in rubrics) / len(rubrics) if rubrics else None,
-               mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gib=peak_rss_gib())
-    env.write_jsonl(run_dir / "metrics.jsonl", [row], append=True)
-    env.write_jsonl(run_dir / "traces" / f"epoch_{epoch}.jsonl", trace_rows(trajs, epoch, b, rubrics, d, s, A, info),
-                    append=True)
-    return row
+        mu.save(tmp / "mu")
+    torch.save({"opt_pi": opt_pi.state_dict(), "opt_mu": opt_mu.state_dict() if opt_mu else None}, tmp / "optim.pt")
+    (tmp / "state.json").write_text(json.dumps({"epoch": epoch, "next_batch": next_batch, "history": history},
+                                               indent=1))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    if not next_batch:                        # an epoch's checkpoint supersedes a Ctrl-C one taken before it
+        shutil.rmtree(folder.with_name("interrupted"), ignore_errors=True)
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The latest finished state: the last epoch checkpoint, or a Ctrl-C checkpoint taken later."""
+    epochs = sorted(int(p.name.split("_")[1]) for p in ckpt_dir.glob("epoch_*") if not p.name.endswith(".tmp"))
+    last = ckpt_dir / f"epoch_{epochs[-1]}" if epochs else None
+    stopped = ckpt_dir / "interrupted"
+    if (stopped / "state.json").is_file():
+        if last is None or json.loads((stopped / "state.json").read_text())["epoch"] > epochs[-1]:
+            return stopped
+    return last
+
+
+def rewrite_jsonl(path: Path, keep) -> None:
+    """Keep the rows of a JSONL file for which keep(row) is true (what --resume redoes goes)."""
+    if path.exists():
+        env.write_jsonl(path, [r for r in env.read_jsonl(path) if keep(r)])
 
 
 class CtrlC:
@@ -796,144 +900,17 @@ class CtrlC:
         print("\n[arco] Ctrl-C: finishing this batch, then saving a checkpoint (Ctrl-C again to quit at once)",
               flush=True)
 
+    def stop(self, run_dir: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: list[dict], next_batch: int = 0):
+        """Exit at a Ctrl-C: mid-epoch after saving the `interrupted` checkpoint (continuing at
+        next_batch), at an epoch's end with its epoch checkpoint already saved."""
+        folder = run_dir / "checkpoints" / (f"epoch_{epoch}" if not next_batch else "interrupted")
+        if next_batch:
+            save_checkpoint(folder, pi, mu, opt_pi, opt_mu, epoch, history, next_batch)
+        sys.exit(f"interrupted: the state after epoch {epoch}" + (f", batch {next_batch - 1}," if next_batch else "")
+                 + f" is saved in {folder}; rerun the same command with --resume to continue")
+
     def __exit__(self, *exc):
         signal.signal(signal.SIGINT, self.previous)
-
-
-def rewrite_jsonl(path: Path, keep) -> None:
-    """Keep the rows of a JSONL file for which keep(row) is true (what --resume redoes goes)."""
-    if path.exists():
-        env.write_jsonl(path, [r for r in env.read_jsonl(path) if keep(r)])
-
-
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The latest finished state: the last epoch checkpoint, or a Ctrl-C checkpoint taken later."""
-    epochs = sorted(int(p.name.split("_")[1]) for p in ckpt_dir.glob("epoch_*") if not p.name.endswith(".tmp"))
-    last = ckpt_dir / f"epoch_{epochs[-1]}" if epochs else None
-    stopped = ckpt_dir / "interrupted"
-    if (stopped / "state.json").is_file():
-        if last is None or json.loads((stopped / "state.json").read_text())["epoch"] > epochs[-1]:
-            return stopped
-    return last
-
-
-def run(args: Args) -> Path:
-    """Algorithm 1 end to end; returns the run folder."""
-    run_dir = Path(args.out_dir) / args.dataset / args.name
-    ckpt_dir = run_dir / "checkpoints"
-    if run_dir.exists() and not args.resume and (run_dir / "metrics.jsonl").exists():
-        sys.exit(f"error: {run_dir} already holds a run: pass --resume to continue it, or --name for a new one")
-    last = latest_checkpoint(ckpt_dir) if args.resume else None
-    if args.resume and last is None:
-        sys.exit(f"error: --resume: {ckpt_dir} holds no finished epoch or Ctrl-C checkpoint to continue from; "
-                 f"check --name / --out-dir, or start afresh under another --name")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    env.write_json(run_dir / "args.json", asdict(args))
-
-    warmup_dir = ensure_warmup(args)
-    train = training_questions(args, warmup_dir)
-    dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size, args.seed)
-    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
-    torch.manual_seed(args.seed)                 # the fresh LoRA adapters' initialization
-    pi, mu = build_models(args, warmup_dir)
-    opt_pi, opt_mu = make_optimizers(pi, mu, args)
-
-    history: list[dict] = []           # one row per evaluation (epoch 0 = before RL = "SFT only")
-    start_epoch, start_batch = 1, 0
-    if last is not None:
-        pi, mu, opt_pi, opt_mu, start_epoch, start_batch, history = resume_from(last, args)
-        done = lambda r: r.get("epoch", 0) < start_epoch or (r["epoch"] == start_epoch and r["kind"] == "update"
-                                                            and r["batch"] < start_batch)
-        rewrite_jsonl(run_dir / "metrics.jsonl", done)
-        for f in (run_dir / "traces").glob("*epoch_*.jsonl"):
-            if int(f.stem.split("_")[-1]) >= start_epoch:
-                rewrite_jsonl(f, lambda r: not f.name.startswith("eval") and r["batch"] < start_batch
-                              and r["epoch"] == start_epoch)
-        print(f"[arco] resuming {run_dir} at epoch {start_epoch}, batch {start_batch}", flush=True)
-    else:
-        (run_dir / "metrics.jsonl").write_text("")
-        shutil.rmtree(run_dir / "traces", ignore_errors=True)
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-        ev, rows = warmup_evaluation(warmup_dir, args)
-        if ev is None:
-            ev, trajs = evaluate_policy(pi, dev, args, retriever)
-            rows = trace_rows(trajs, 0, -1)
-        history.append({"epoch": 0, **ev})
-        env.write_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": 0, **ev}], append=True)
-        env.write_jsonl(run_dir / "traces" / "eval_epoch_0.jsonl", rows, append=True)
-        print(f"[arco] epoch 0 (SFT only): dev EM {ev['em']:.1f} F1 {ev['f1']:.1f} "
-              f"(peak RSS so far {peak_rss_gib():.1f} GiB)", flush=True)
-
-    from tqdm import tqdm
-    with CtrlC() as ctrl_c:
-        for epoch in range(start_epoch, args.epochs + 1):                                    # Alg. 1, line 3
-            dense = is_dense(epoch, args)                                                      # line 4
-            for g in opt_pi.param_groups:
-                g["lr"] = args.pi_lr_dense if dense else args.pi_lr_sparse
-            batches = epoch_batches(train, epoch, args)
-            first = start_batch if epoch == start_epoch else 0
-            bar = tqdm(range(first, len(batches)), desc=f"epoch {epoch} ({'dense' if dense else 'sparse'})")
-            for b in bar:                                                                      # line 5
-                try:
-                    row = iteration(pi, mu, opt_pi, opt_mu, batches[b], epoch, b, dense, args, retriever, run_dir)
-                except NonFiniteLoss as e:
-                    kept = latest_checkpoint(ckpt_dir)
-                    sys.exit(f"error: {e} at epoch {epoch}, batch {b}; nothing of this batch was saved. The last "
-                             f"good checkpoint is {kept or 'none (no epoch finished yet)'}: lower the learning "
-                             f"rates and rerun with --resume.")
-                tqdm.write(f"[arco] epoch {epoch} batch {b}: R {row['mean_R']:.2f} policy loss "
-                           f"{row['policy_loss']:+.4f} KLπ {row['kl_pi']:.4f}"
-                           + (f" dec-MSE {row['decomposition_mse']:.4f} KLμ {row['kl_mu']:.4f} "
-                              f"s̄ {row['mean_s']:+.3f}" if mu is not None else "")
-                           + f" invalid {row['invalid_rate']:.2f}")
-                if ctrl_c.requested and b + 1 < len(batches):
-                    save_checkpoint(ckpt_dir / "interrupted", pi, mu, opt_pi, opt_mu, epoch, history, b + 1)
-                    sys.exit(f"interrupted: checkpoint after epoch {epoch}, batch {b} saved in "
-                             f"{ckpt_dir / 'interrupted'}; rerun the same command with --resume to continue")
-            bar.close()
-            ev, trajs = evaluate_policy(pi, dev, args, retriever)
-            history.append({"epoch": epoch, "dense": dense, **ev})
-            env.write_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": epoch, **ev}], append=True)
-            env.write_jsonl(run_dir / "traces" / f"eval_epoch_{epoch}.jsonl", trace_rows(trajs, epoch, -1), append=True)
-            print(f"[arco] epoch {epoch}: dev EM {ev['em']:.1f} F1 {ev['f1']:.1f} "
-                  f"invalid {ev['invalid_rate']:.2f} (peak RSS so far {peak_rss_gib():.1f} GiB)", flush=True)
-            save_checkpoint(ckpt_dir / f"epoch_{epoch}", pi, mu, opt_pi, opt_mu, epoch, history)
-            shutil.rmtree(ckpt_dir / "interrupted", ignore_errors=True)
-            if ctrl_c.requested and epoch < args.epochs:
-                sys.exit(f"interrupted: epoch {epoch} is saved in {ckpt_dir / f'epoch_{epoch}'}; rerun the "
-                         f"same command with --resume to continue")
-    write_selection(run_dir, history, args)
-    write_report(run_dir, history, args)
-    return run_dir
-
-
-def resume_from(folder: Path, args: Args):
-    """Rebuild π, μ and their optimizers as they were in a checkpoint; returns them with the
-    epoch and batch to continue from and the evaluation history so far."""
-    pi, _ = load_backbone_checkpoint(folder / "pi", device=args.device)
-    mu = RubricModel.load(folder / "mu", device=args.device) if (folder / "mu").is_dir() else None
-    state = torch.load(folder / "optim.pt", weights_only=True)
-    opt_pi, opt_mu = make_optimizers(pi, mu, args)
-    opt_pi.load_state_dict(state["opt_pi"])
-    if mu is not None:
-        opt_mu.load_state_dict(state["opt_mu"])
-    saved = json.loads((folder / "state.json").read_text())
-    if saved.get("next_batch"):
-        return pi, mu, opt_pi, opt_mu, saved["epoch"], saved["next_batch"], saved["history"]
-    return pi, mu, opt_pi, opt_mu, saved["epoch"] + 1, 0, saved["history"]
-
-
-def select_checkpoint(history: list[dict], sparse_epochs: int) -> dict:
-    """The paper's rule (§4.1): the best dev-EM epoch after the dense transition, i.e. after the
-    `sparse_epochs` sparse ones (EM ties: warmup.dev_rank, then the earlier); the best overall, epoch 0
-    included, is recorded beside it. (The release has no selection code: its per-epoch evaluations are
-    read by hand.)"""
-    trained = [h for h in history if h["epoch"] >= 1]
-    post = [h for h in trained if h["epoch"] > sparse_epochs] or trained or history
-    best_post = max(post, key=lambda h: (*dev_rank(h), -h["epoch"]))
-    best_all = max(history, key=lambda h: (*dev_rank(h), -h["epoch"]))
-    return {"selected_epoch": best_post["epoch"], "selected": best_post,
-            "best_overall_epoch": best_all["epoch"], "best_overall": best_all}
 
 
 def write_selection(run_dir: Path, history: list[dict], args: Args) -> dict:
@@ -975,6 +952,45 @@ def write_report(run_dir: Path, history: list[dict], args: Args) -> None:
                     lines.append(f"    - μ wrote (unparseable): `{' '.join(st['rubric_text'].split())[:160]}`")
             lines.append("")
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def describe_plan(args: Args, n_train: int) -> str:
+    """What --dry-run prints: the schedule, the updates per epoch and the loss scales."""
+    plan = epoch_plan(args, n_train)
+    lines = [f"preset {args.preset}, dataset {args.dataset}, reward {args.reward}: {n_train} training questions "
+             f"(--train-size; fewer if the data holds fewer), {args.eval_size} dev questions, π = {args.model}, "
+             f"μ = {args.mu_model if args.reward == 'arco' else '(none)'}"]
+    for e in plan:
+        kind = "dense " if e["dense"] else "sparse"
+        baseline = (f"A = α (G_t − Ḡ_bucket), α {args.alpha}" + (", one-step buckets take the batch mean"
+                                                                     if args.bucket_fallback else "")) \
+            if e["dense"] else f"A = R − mean of the {args.sparse_baseline}"
+        lines.append(f"  epoch {e['epoch']}: {kind} {e['questions_per_batch']} questions × {e['samples']} = "
+                     f"{e['trajectories_per_update']} trajectories per update, {e['updates']} "
+                     f"update{'s' if e['updates'] != 1 else ''}; π lr "
+                     f"{e['pi_lr']:g}, λ_π {e['kl_pi']:g}; {baseline}"
+                     + ("  [selectable]" if e["selectable"] else ""))
+    total = sum(e["updates"] * e["trajectories_per_update"] for e in plan)
+    lines.append(f"  {sum(e['updates'] for e in plan)} updates, {total} trajectories in all; the checkpoint is the "
+                 f"best dev EM among the [selectable] epochs (after the transition)")
+    per_step = "mean" if args.token_reduction == "mean" else "sum"
+    lines += [
+        "loss scales (token reduction: " + args.token_reduction + ")",
+        f"  Eq. 3: −(1/|B|) Σ_τ Σ_t A_t log π(a_t|h_t) + λ_π (1/|B|) Σ_τ Σ_t {per_step}_i KL(π‖π_ref)_i",
+        f"  Eq. 5: (1/|B|) Σ_τ w_τ (Σ_t s_t − R)²  [w: {'class-balanced' if args.class_balance else '1'}]"
+        f" + β {args.kl_mu:g} · " + ("(1/|B|) Σ_τ Σ_t mean_i KL(μ‖μ_ref)_i" if args.token_reduction == "mean"
+                                   else "mean_t Σ_i KL(μ‖μ_ref)_i"),
+        "  Eq. 7: " + ("mean over tokens of −log p(r̃) + 10 · mean over steps × K of (d − ŝ)²"
+                       if args.token_reduction == "mean" else "mean over steps of [Σ_i −log p(r̃_i) + 10 ‖d − ŝ‖²]"),
+        f"  optimizer: AdamW, weight decay {args.weight_decay:g}; μ lr {args.mu_lr:g}, score head {args.head_lr:g}; "
+        f"rubrics {'greedy' if not args.rubric_temperature else f'sampled at T {args.rubric_temperature:g}'}",
+        f"warmup: {args.warmup_size} questions ({'among' if args.warmup_questions == 'within' else 'apart from'} "
+        f"RL's) × {args.warmup_samples} teacher trajectories; π SFT {args.sft_epochs_pi} epochs (lr {args.sft_lr_pi:g}, "
+        f"batch {args.sft_batch_pi}, best dev EM kept), μ SFT on "
+        f"{f'the first {args.sft_questions_mu} questions' if args.sft_questions_mu else 'every question'}, "
+        f"{args.sft_epochs_mu} epochs (lr {args.sft_lr_mu:g}, head {args.sft_head_lr:g}, batch {args.sft_batch_mu}, "
+        f"last kept){f', then {args.sft_head_steps} steps on the score head alone' if args.sft_head_steps else ''}"]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
