@@ -34,6 +34,10 @@ The equations are small named functions, tested against hand-worked numbers that
     class_weights         (release)  w_τ of the decomposition term
     decomposition_loss    Eq. 5      (1/|B|) Σ_τ w_τ (Σ_t s_t − R(τ))²
     rubric_loss           Eq. 5      decomposition_loss + β Σ_t KL_t / (steps or |B|)
+
+Read top to bottom: the knobs (Args, PRESETS), the schedule, the equations, one iteration, the run
+(`run`: the outer loop of Algorithm 1); the section marked "Plumbing" after it is bookkeeping only
+(warmup reuse, logs, checkpoints, --resume, Ctrl-C, reports).
 """
 from __future__ import annotations
 
