@@ -41,8 +41,10 @@ Read top to bottom: the knobs (Args, PRESETS), the schedule, the equations, one 
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
 import random
 import shutil
 import signal
@@ -53,6 +55,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 import env
 import warmup
@@ -87,7 +90,12 @@ class Args:
                                                                "static (w/o Adaptive), none (w/o Rubric)",
                                                        "choices": list(RUBRIC_MODES)})
     k: int = field(default=3, metadata={"help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ..."})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ... (under torchrun: each rank's "
+                                                          "cuda:LOCAL_RANK when CUDA is there)"})
+    sampling: str = field(default="batch", metadata={
+        "help": "π's random stream when sampling rollouts: batch (one draw over the generation batch, as "
+                "transformers' generate) or trajectory (one seeded stream per trajectory: the same rollouts "
+                "whatever the rank layout; a torchrun run needs it)", "choices": ["batch", "trajectory"]})
     # The fields below default to the preset's value (None = take it from the preset). The README's table
     # "paper | release | this implementation" says where each value comes from.
     model: str | None = field(default=None, metadata={"help": "π's backbone: 'embedded' or an HF id/folder"})
@@ -135,6 +143,9 @@ class Args:
     alpha: float | None = field(default=None, metadata={"help": "α, dense reward scale (Eq. 3; 0.5)"})
     weight_decay: float | None = field(default=None, metadata={"help": "AdamW weight decay of every optimizer, RL and "
                                                                         "SFT (release 0.01)"})
+    lora_dropout: float | None = field(default=None, metadata={"help": "dropout of π's and μ's RL LoRA adapters (release "
+                                                                        "0.05); 0 makes a torchrun run's updates those "
+                                                                        "of the single-process run"})
     max_new_tokens_pi: int | None = field(default=None, metadata={"help": "π's max new tokens per action (64)"})
     max_new_tokens_mu: int | None = field(default=None, metadata={"help": "μ's max new tokens per rubric (128)"})
     max_searches: int | None = field(default=None, metadata={"help": "search budget (default: 3, MuSiQue 6)"})
@@ -180,7 +191,7 @@ PRESETS = {
                   group_size=4, sparse_baseline="group", bucket_fallback=True, class_balance=True,
                   token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0, pi_lr_sparse=1e-5,
                   pi_lr_dense=3e-6, mu_lr=1e-5, head_lr=5e-4, kl_pi_sparse=0.0, kl_pi_dense=0.05, kl_mu=0.05,
-                  alpha=0.5, weight_decay=0.01, max_new_tokens_pi=64, max_new_tokens_mu=128, obs_chars=0,
+                  alpha=0.5, weight_decay=0.01, lora_dropout=0.05, max_new_tokens_pi=64, max_new_tokens_mu=128, obs_chars=0,
                   micro_batch=16, pass_tokens=8192, gen_batch=64, mu_examples=0, warmup_size=1000, warmup_questions="within", warmup_samples=3, warmup_probe=32,
                   sft_epochs_pi=6, sft_epochs_mu=10, sft_lr_pi=1e-5, sft_lr_mu=5e-5, sft_head_lr=1e-3,
                   sft_head_steps=0, sft_batch_pi=64, sft_batch_mu=32, sft_questions_mu=0),
@@ -188,7 +199,7 @@ PRESETS = {
                 sparse_epochs=1, batch_size=16, group_size=4, sparse_baseline="group", bucket_fallback=True,
                 class_balance=True, token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0,
                 pi_lr_sparse=2e-4, pi_lr_dense=1e-4, mu_lr=1e-4, head_lr=1e-3, kl_pi_sparse=0.0, kl_pi_dense=0.05,
-                kl_mu=0.05, alpha=0.5, weight_decay=0.01, max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300,
+                kl_mu=0.05, alpha=0.5, weight_decay=0.01, lora_dropout=0.05, max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300,
                 micro_batch=2, pass_tokens=1024, gen_batch=32, mu_examples=0, warmup_size=150, warmup_questions="within",
                 warmup_samples=2, warmup_probe=8, sft_epochs_pi=2, sft_epochs_mu=2, sft_lr_pi=5e-4, sft_lr_mu=3e-4,
                 sft_head_lr=1e-3, sft_head_steps=500, sft_batch_pi=8, sft_batch_mu=8, sft_questions_mu=8),
@@ -417,6 +428,8 @@ def annotate(mu, trajs, args: Args) -> tuple[list, list, torch.Tensor, torch.Ten
     trajectory order.
     """
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
+    if not contexts:                     # (under torchrun a rank may hold none of a small last batch)
+        return [], [], torch.zeros(0, args.k), torch.zeros(0)
     mu.eval()
     rubrics, scores = mu.annotate(contexts, args.rubric_temperature, args.max_new_tokens_mu, args.gen_batch)
     return contexts, rubrics, scores.d.float().cpu(), scores.s.float().cpu()
@@ -452,8 +465,10 @@ def check_finite(name: str, value: float) -> None:
         raise NonFiniteLoss(f"the {name} loss is {value}")
 
 
-def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_coef: float) -> dict:
-    """Alg. 1, lines 33–35: one gradient step on Eq. 3.
+def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_coef: float,
+                  n_batch: int | None = None) -> dict:
+    """Alg. 1, lines 33–35: one gradient step on Eq. 3. `n_batch` is |B| when `trajs` is this rank's
+    share of the batch (torchrun): the ranks' gradients are then summed before the step.
 
     Plumbing: the steps' sequences share their beginnings (the system prompt across the batch, then a
     question and a trajectory's history): the shared prompt is cached once (SharedPrefix) and the rest
@@ -482,34 +497,40 @@ def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_coe
             kl_step = torch.stack([reduce_tokens(o.kl[None], torch.ones_like(o.kl[None]), args.token_reduction)[0]
                                    for o in outs]) if kl_coef else None
             adv = torch.tensor([steps[i][1] for i in run], device=outs[0].logprobs.device)
-            loss = policy_loss(torch.stack([o.logprobs.sum() for o in outs]), adv, len(trajs), kl_step, kl_coef)  # Eq. 3
+            loss = policy_loss(torch.stack([o.logprobs.sum() for o in outs]), adv, n_batch or len(trajs), kl_step,
+                               kl_coef)                                                                # Eq. 3
             loss.backward()
             total += float(loss.detach())
             kl_sum += sum(float(o.kl.detach().sum()) for o in outs) if kl_coef else 0.0
         root.backward_prefix()
-    if valid:
+    total, kl_sum, n_tokens, n_valid = dp.sum(total, kl_sum, sum(lens), len(valid))    # the whole batch's
+    if n_valid:
         check_finite("policy (Eq. 3)", total)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         for p in params:          # a zero gradient, as if the skipped steps had been computed: AdamW's
             if p.grad is None:    # moments and weight decay then move exactly as they would have
                 p.grad = torch.zeros_like(p)
+        dp.sum_gradients(params)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
     pi.model.eval()
-    return {"policy_loss": total, "kl_pi": kl_sum / max(sum(lens), 1), "policy_steps": len(valid)}
+    return {"policy_loss": total, "kl_pi": kl_sum / max(n_tokens, 1), "policy_steps": int(n_valid)}
 
 
-def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
+def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args, batch: tuple | None = None) -> dict:
     """Alg. 1, lines 36–38: one gradient step on Eq. 5, whose decomposition term couples the steps of a
-    trajectory: each pass holds whole trajectories.
+    trajectory: each pass holds whole trajectories. `batch` = (every R(τ) of the batch, its number of steps,
+    where `trajs` starts in it) when `trajs` is this rank's share (torchrun): the class weights and the
+    divisors are then the whole batch's, and the ranks' gradients are summed before the step.
 
     Plumbing: as in policy_update, shared beginnings are computed once; a trajectory longer than
     --pass-tokens alone is cut into parts whose activations are recomputed in the backward (gradient
     checkpointing: the same numbers, less memory).
     """
     from torch.utils.checkpoint import checkpoint
-    n_traj, n_steps = len(trajs), len(contexts)
-    weights = class_weights([t.reward for t in trajs]) if args.class_balance else [1.0] * n_traj
+    R_all, n_steps, first = batch or ([t.reward for t in trajs], len(contexts), 0)
+    n_traj = len(R_all)
+    weights = (class_weights(R_all) if args.class_balance else [1.0] * n_traj)[first:first + len(trajs)]
     kl_divisor = n_traj if args.token_reduction == "mean" else n_steps
     use_kl = bool(args.kl_mu) and mu.rubric_mode not in ("static", "none")
     seqs = mu.scoring_ids(contexts, rubrics)
@@ -518,69 +539,84 @@ def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
     units = [list(r) for r in env.step_ranges(trajs)]
     mu.train()
     optimizer.zero_grad(set_to_none=True)
-    root = SharedPrefix(mu.backbone, seqs, [n + 1 for n in lens], detach=True)
-    if use_kl:
-        with torch.no_grad(), reference(mu.backbone):
-            ref_root = SharedPrefix(mu.backbone, seqs, [n + 1 for n in lens])
-
-    def part(idx):                       # one packed row: μ's pooled vectors and per-step KL terms
-        sub, sub_lens = [seqs[i] for i in idx], [lens[i] for i in idx]
-        ref = reference_logq(mu.backbone, sub, sub_lens, ref_root) if use_kl else None               # μ_ref
-        outs = packed_steps(mu.backbone, sub, sub_lens, root, ref)
-        kl = torch.stack([o.kl.sum() for o in outs]) if use_kl else torch.zeros(len(outs))       # Σ_i KL_i
-        if use_kl and args.token_reduction == "mean":
-            kl = kl / torch.tensor([max(1, n) for n in sub_lens], device=kl.device)               # mean_i KL_i
-        return torch.stack([o.hidden_sum / o.length for o in outs]), kl
     total, mse, kl_sum = 0.0, 0.0, 0.0
-    for parts in token_passes(seqs, args.pass_tokens, root.n, units):
-        res = [part(p) for p in parts] if len(parts) == 1 else \
-            [checkpoint(part, p, use_reentrant=False) for p in parts]
-        idx = [i for p in parts for i in p]
-        d = mu.head(torch.cat([pooled for pooled, _ in res]))                                          # Eq. 2
-        s = d.mean(-1).float().cpu()
-        kl_step = torch.cat([kl for _, kl in res]).float().cpu() if use_kl else None
-        members = sorted({of[i] for i in idx})
-        local = torch.tensor([members.index(of[i]) for i in idx])
-        R = torch.tensor([trajs[k].reward for k in members])
-        w = torch.tensor([weights[k] for k in members])
-        loss = rubric_loss(s, local, R, kl_step, args.kl_mu, kl_divisor, n_traj, w)                    # Eq. 5
-        loss.backward()
-        total += float(loss.detach())
-        mse += float(decomposition_loss(s.detach(), local, R, n_traj))
-        if use_kl:        # for the log: the mean per-token KL
-            sums = kl_step.detach() * (torch.tensor([max(1, lens[i]) for i in idx]) if args.token_reduction == "mean" else 1)
-            kl_sum += float(sums.sum())
-    root.backward_prefix()
+    if seqs:                             # (under torchrun a rank may hold none of a small last batch)
+        root = SharedPrefix(mu.backbone, seqs, [n + 1 for n in lens], detach=True)
+        if use_kl:
+            with torch.no_grad(), reference(mu.backbone):
+                ref_root = SharedPrefix(mu.backbone, seqs, [n + 1 for n in lens])
+
+        def part(idx):                       # one packed row: μ's pooled vectors and per-step KL terms
+            sub, sub_lens = [seqs[i] for i in idx], [lens[i] for i in idx]
+            ref = reference_logq(mu.backbone, sub, sub_lens, ref_root) if use_kl else None               # μ_ref
+            outs = packed_steps(mu.backbone, sub, sub_lens, root, ref)
+            kl = torch.stack([o.kl.sum() for o in outs]) if use_kl else torch.zeros(len(outs))       # Σ_i KL_i
+            if use_kl and args.token_reduction == "mean":
+                kl = kl / torch.tensor([max(1, n) for n in sub_lens], device=kl.device)               # mean_i KL_i
+            return torch.stack([o.hidden_sum / o.length for o in outs]), kl
+        for parts in token_passes(seqs, args.pass_tokens, root.n, units):
+            res = [part(p) for p in parts] if len(parts) == 1 else \
+                [checkpoint(part, p, use_reentrant=False) for p in parts]
+            idx = [i for p in parts for i in p]
+            d = mu.head(torch.cat([pooled for pooled, _ in res]))                                          # Eq. 2
+            s = d.mean(-1).float().cpu()
+            kl_step = torch.cat([kl for _, kl in res]).float().cpu() if use_kl else None
+            members = sorted({of[i] for i in idx})
+            local = torch.tensor([members.index(of[i]) for i in idx])
+            R = torch.tensor([trajs[k].reward for k in members])
+            w = torch.tensor([weights[k] for k in members])
+            loss = rubric_loss(s, local, R, kl_step, args.kl_mu, kl_divisor, n_traj, w)                    # Eq. 5
+            loss.backward()
+            total += float(loss.detach())
+            mse += float(decomposition_loss(s.detach(), local, R, n_traj))
+            if use_kl:        # for the log: the mean per-token KL
+                sums = kl_step.detach() * (torch.tensor([max(1, lens[i]) for i in idx]) if args.token_reduction == "mean" else 1)
+                kl_sum += float(sums.sum())
+        root.backward_prefix()
+    total, mse, kl_sum, n_tokens = dp.sum(total, mse, kl_sum, sum(lens))                 # the whole batch's
     check_finite("rubric-model (Eq. 5)", total)
-    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    dp.sum_gradients(params)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
     optimizer.step()
     mu.eval()
-    return {"rubric_loss": total, "decomposition_mse": mse, "kl_mu": kl_sum / max(sum(lens), 1)}
+    return {"rubric_loss": total, "decomposition_mse": mse, "kl_mu": kl_sum / max(n_tokens, 1)}
 
 
 def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, args: Args, retriever,
               run_dir: Path) -> dict:
-    """One iteration of Algorithm 1 (lines 5–38) on one batch; appends its metrics and traces."""
-    torch.manual_seed(args.seed * 1_000_003 + epoch * 1009 + b)   # resumable: sampling seeded per batch
+    """One iteration of Algorithm 1 (lines 5–38) on one batch; appends its metrics and traces.
+
+    Under torchrun each rank rolls out and annotates its share of B (`mine`, a slice of the batch's
+    trajectories); every rank then holds the whole batch's trajectories and scores (dp.gather), so the
+    advantages and logged numbers are the whole batch's, and each rank's update takes its own share
+    with the batch's |B| (the ranks' gradients are summed). One process: `mine` is all of B."""
+    seed = args.seed * 1_000_003 + epoch * 1009 + b
+    torch.manual_seed(seed)                                       # resumable: sampling seeded per batch
     row: dict = {"kind": "update", "epoch": epoch, "batch": b, "dense": dense}
     t0 = time.time()
     group = [ex for ex in batch for _ in range(1 if dense else args.group_size)]     # B: G samples when sparse
-    trajs = env.rollout(group, policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch),
-                        retriever, args.max_searches, args.obs_chars)                    # lines 6–14
+    mine = dp.share(len(group))
+    seeds = [seed * 4096 + j for j in range(len(group))][mine] if args.sampling == "trajectory" else None
+    act = policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch)
+    trajs = dp.gather(env.rollout(group[mine], act, retriever, args.max_searches, args.obs_chars,
+                                  seeds=seeds))                                          # lines 6–14
     row["seconds_rollout"] = time.time() - t0
     contexts = rubrics = d = s = None
     if mu is not None:
         t0 = time.time()
-        contexts, rubrics, d, s = annotate(mu, trajs, args)                             # lines 15–19
+        contexts, own_rubrics, d, s = annotate(mu, trajs[mine], args)                   # lines 15–19
+        rubrics, d, s = dp.gather(own_rubrics), torch.cat(dp.gather([d])), torch.cat(dp.gather([s]))
         row["seconds_mu_annotate"] = time.time() - t0
     A, info = advantages(trajs, s, dense, args)                                         # lines 26–32
     t0 = time.time()
     kl_pi = args.kl_pi_dense if dense else args.kl_pi_sparse
-    row.update(policy_update(pi, opt_pi, trajs, A, args, kl_pi))                        # lines 33–35
+    row.update(policy_update(pi, opt_pi, trajs[mine], A[mine], args, kl_pi, n_batch=len(trajs)))  # lines 33–35
     row["seconds_pi_update"] = time.time() - t0
     if mu is not None:
         t0 = time.time()
-        row.update(rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))           # lines 36–38
+        whole = ([t.reward for t in trajs], len(rubrics), mine.start)
+        row.update(rubric_update(mu, opt_mu, trajs[mine], contexts, own_rubrics, args, whole))  # lines 36–38
         row["seconds_mu_update"] = time.time() - t0
     steps = [st for t in trajs for st in t.steps]
     row.update(trajectories=len(trajs), questions=len(batch), mean_R=sum(t.reward for t in trajs) / len(trajs),
@@ -588,9 +624,10 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, ar
                mean_s=float(s.mean()) if s is not None else None,
                rubric_parse_rate=sum(r.parsed for r in rubrics) / len(rubrics) if rubrics else None,
                mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gib=peak_rss_gib())
-    env.write_jsonl(run_dir / "metrics.jsonl", [row], append=True)
-    env.write_jsonl(run_dir / "traces" / f"epoch_{epoch}.jsonl", trace_rows(trajs, epoch, b, rubrics, d, s, A, info),
-                    append=True)
+    if dp.main:
+        env.write_jsonl(run_dir / "metrics.jsonl", [row], append=True)
+        env.write_jsonl(run_dir / "traces" / f"epoch_{epoch}.jsonl",
+                        trace_rows(trajs, epoch, b, rubrics, d, s, A, info), append=True)
     return row
 
 
@@ -601,7 +638,7 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, ar
 def run(args: Args) -> Path:
     """Algorithm 1 end to end, the warmup first where it is missing; returns the run folder."""
     run_dir, last = open_run(args)                                   # plumbing: a new folder, or --resume's
-    warmup_dir = ensure_warmup(args)                                 # §3.2, App. B: π_sft and μ_sft
+    warmup_dir = ensure_warmup(args)                                 # §3.2, App. B: π_sft and μ_sft (rank 0)
     train = training_questions(args, warmup_dir)                     # D
     dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size, args.seed)
     retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)       # R
@@ -622,24 +659,27 @@ def run(args: Args) -> Path:
                     g["lr"] = args.pi_lr_dense if dense else args.pi_lr_sparse
                 batches = epoch_batches(train, epoch, args)
                 first = start_batch if epoch == start_epoch else 0
-                for b in tqdm(range(first, len(batches)), desc=f"epoch {epoch} ({'dense' if dense else 'sparse'})"):
+                for b in tqdm(range(first, len(batches)), desc=f"epoch {epoch} ({'dense' if dense else 'sparse'})",
+                              disable=not dp.main):
                     row = iteration(pi, mu, opt_pi, opt_mu, batches[b], epoch, b, dense, args, retriever,
                                     run_dir)                                                   # lines 5–38
-                    tqdm.write(update_line(row, epoch, b))
-                    if ctrl_c.requested and b + 1 < len(batches):
+                    if dp.main:
+                        tqdm.write(update_line(row, epoch, b))
+                    if ctrl_c.agreed() and b + 1 < len(batches):
                         ctrl_c.stop(run_dir, pi, mu, opt_pi, opt_mu, epoch, history, b + 1)
                 ev, trajs = evaluate_policy(pi, dev, args, retriever)
                 history.append(log_evaluation(run_dir, epoch, ev, trace_rows(trajs, epoch, -1), dense))
                 save_checkpoint(run_dir / "checkpoints" / f"epoch_{epoch}", pi, mu, opt_pi, opt_mu, epoch, history)
-                if ctrl_c.requested and epoch < args.epochs:
+                if ctrl_c.agreed() and epoch < args.epochs:
                     ctrl_c.stop(run_dir, pi, mu, opt_pi, opt_mu, epoch, history)
     except NonFiniteLoss as e:
         kept = latest_checkpoint(run_dir / "checkpoints")
         sys.exit(f"error: {e} at epoch {epoch}, batch {b}; nothing of this batch was saved. The last good "
                  f"checkpoint is {kept or 'none (no epoch finished yet)'}: lower the learning rates and rerun "
                  f"with --resume.")
-    write_selection(run_dir, history, args)
-    write_report(run_dir, history, args)
+    if dp.main:
+        write_selection(run_dir, history, args)
+        write_report(run_dir, history, args)
     return run_dir
 
 
@@ -670,10 +710,11 @@ def ensure_warmup(args: Args) -> Path:
     for name in need[1:]:                     # μ's folder, when this run needs one
         warmup.check_mu_settings(folder, name, args)
     missing = [n for n in need if not (folder / n / "config.json").is_file()]
-    if missing:
+    if missing and dp.main:
         print(f"[arco] {folder} has no {' or '.join(m + '/' for m in missing)}: running the offline oracle "
               f"warmup first (warmup.py)", flush=True)
         warmup.run_from_arco(args, folder)
+    dp.barrier()                              # under torchrun the other ranks wait for rank 0's warmup
     return folder
 
 
@@ -708,7 +749,7 @@ def build_models(args: Args, warmup_dir: Path):
     pi, _ = load_backbone_checkpoint(warmup_dir / "pi_sft", device=args.device)
     if hasattr(pi.model, "peft_config"):
         merge_lora(pi)
-    add_lora(pi)
+    add_lora(pi, dropout=args.lora_dropout)
     if args.reward == "outcome":
         return pi, None
     mu = RubricModel.load(warmup_dir / mu_folder(args), device=args.device)
@@ -717,7 +758,7 @@ def build_models(args: Args, warmup_dir: Path):
                  f"K={mu.k}, but this run asks for --rubric {args.rubric} --k {args.k}")
     if hasattr(mu.backbone.model, "peft_config"):
         merge_lora(mu.backbone)
-    add_lora(mu.backbone)
+    add_lora(mu.backbone, dropout=args.lora_dropout)
     return pi, mu
 
 
@@ -731,9 +772,12 @@ def make_optimizers(pi, mu, args: Args):
 
 
 def evaluate_policy(pi, examples, args: Args, retriever) -> tuple[dict, list]:
-    """Greedy dev evaluation (env.evaluate): EM, F1, searches, invalid-step rate."""
-    return env.evaluate(examples, policy_act(pi, 0.0, args.max_new_tokens_pi, args.gen_batch), retriever,
-                        args.max_searches, args.obs_chars)
+    """Greedy dev evaluation (env.evaluate): EM, F1, searches, invalid-step rate. Under torchrun each rank
+    evaluates its share of the questions; the numbers are those of all of them."""
+    _, trajs = env.evaluate(examples[dp.share(len(examples))], policy_act(pi, 0.0, args.max_new_tokens_pi,
+                            args.gen_batch), retriever, args.max_searches, args.obs_chars)
+    trajs = dp.gather(trajs)
+    return env.dev_metrics(trajs), trajs
 
 
 def warmup_evaluation(warmup_dir: Path, args: Args) -> tuple[dict | None, list[dict]]:
@@ -750,7 +794,8 @@ def warmup_evaluation(warmup_dir: Path, args: Args) -> tuple[dict | None, list[d
     for r in rows:
         for st in r["steps"]:
             st["observation"] = st["observation"][:160]
-    print(f"[arco] epoch 0 (SFT only): the warmup's evaluation, same settings ({traces})", flush=True)
+    if dp.main:
+        print(f"[arco] epoch 0 (SFT only): the warmup's evaluation, same settings ({traces})", flush=True)
     return metrics["sft_only"], rows
 
 
@@ -764,17 +809,20 @@ def open_run(args: Args) -> tuple[Path, Path | None]:
     if args.resume and last is None:
         sys.exit(f"error: --resume: {ckpt_dir} holds no finished epoch or Ctrl-C checkpoint to continue from; "
                  f"check --name / --out-dir, or start afresh under another --name")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    env.write_json(run_dir / "args.json", asdict(args))
+    dp.barrier()                              # every rank has checked before rank 0 writes anything
+    if dp.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        env.write_json(run_dir / "args.json", asdict(args))
     return run_dir, last
 
 
 def sft_only_evaluation(run_dir: Path, warmup_dir: Path, pi, dev, args: Args, retriever) -> dict:
     """A new run starts with empty logs and epoch 0: the SFT-only policy on the dev questions (the
     warmup's own evaluation when it was made with this run's settings)."""
-    (run_dir / "metrics.jsonl").write_text("")
-    shutil.rmtree(run_dir / "traces", ignore_errors=True)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    if dp.main:
+        (run_dir / "metrics.jsonl").write_text("")
+        shutil.rmtree(run_dir / "traces", ignore_errors=True)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     ev, rows = warmup_evaluation(warmup_dir, args)
     if ev is None:
         ev, trajs = evaluate_policy(pi, dev, args, retriever)
@@ -784,10 +832,11 @@ def sft_only_evaluation(run_dir: Path, warmup_dir: Path, pi, dev, args: Args, re
 
 def log_evaluation(run_dir: Path, epoch: int, ev: dict, rows: list[dict], dense: bool | None = None) -> dict:
     """One dev evaluation into metrics.jsonl and traces/eval_epoch_<epoch>.jsonl; returns its history row."""
-    env.write_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": epoch, **ev}], append=True)
-    env.write_jsonl(run_dir / "traces" / f"eval_epoch_{epoch}.jsonl", rows, append=True)
-    print(f"[arco] epoch {epoch}{' (SFT only)' if epoch == 0 else ''}: dev EM {ev['em']:.1f} F1 {ev['f1']:.1f} "
-          f"invalid {ev['invalid_rate']:.2f} (peak RSS so far {peak_rss_gib():.1f} GiB)", flush=True)
+    if dp.main:
+        env.write_jsonl(run_dir / "metrics.jsonl", [{"kind": "eval", "epoch": epoch, **ev}], append=True)
+        env.write_jsonl(run_dir / "traces" / f"eval_epoch_{epoch}.jsonl", rows, append=True)
+        print(f"[arco] epoch {epoch}{' (SFT only)' if epoch == 0 else ''}: dev EM {ev['em']:.1f} F1 {ev['f1']:.1f} "
+              f"invalid {ev['invalid_rate']:.2f} (peak RSS so far {peak_rss_gib():.1f} GiB)", flush=True)
     return {"epoch": epoch, **ev} if dense is None else {"epoch": epoch, "dense": dense, **ev}
 
 
@@ -811,6 +860,8 @@ def resume_from(folder: Path, run_dir: Path, args: Args):
         opt_mu.load_state_dict(state["opt_mu"])
     saved = json.loads((folder / "state.json").read_text())
     epoch, batch = (saved["epoch"], saved["next_batch"]) if saved.get("next_batch") else (saved["epoch"] + 1, 0)
+    if not dp.main:
+        return pi, mu, opt_pi, opt_mu, epoch, batch, saved["history"]
     rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("epoch", 0) < epoch or (
         r["epoch"] == epoch and r["kind"] == "update" and r["batch"] < batch))
     for f in (run_dir / "traces").glob("*epoch_*.jsonl"):
@@ -854,7 +905,10 @@ def save_checkpoint(folder: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: l
                     next_batch: int = 0) -> None:
     """π's and μ's adapters (+ μ's score head), optimizer states and the metrics so far, as they
     are after `epoch` (or, with next_batch > 0, after batch next_batch − 1 of `epoch`: Ctrl-C).
-    Written to a temporary folder, then renamed: a kill never leaves a half checkpoint."""
+    Written to a temporary folder, then renamed: a kill never leaves a half checkpoint. Under torchrun
+    every rank holds the same weights and optimizer states: rank 0 writes them."""
+    if not dp.main:
+        return
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_backbone(pi, tmp / "pi")
@@ -886,6 +940,83 @@ def rewrite_jsonl(path: Path, keep) -> None:
         env.write_jsonl(path, [r for r in env.read_jsonl(path) if keep(r)])
 
 
+class DataParallel:
+    """torchrun's ranks (WORLD_SIZE, RANK, LOCAL_RANK in the environment): each rank rolls out, annotates and
+    backpropagates its share of a batch; what the equations need of the whole batch is gathered. One
+    process (a plain `python arco.py`): rank 0 of 1, and every method below returns its input."""
+
+    def __init__(self):
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank = int(os.environ.get("RANK", 0))
+        self.main = self.rank == 0
+        self.device = torch.device("cpu")
+
+    def start(self, args: Args) -> None:
+        """Join the process group: NCCL on CUDA (each rank its GPU, cuda:LOCAL_RANK), gloo on CPU."""
+        if self.world == 1:
+            return
+        if args.sampling != "trajectory":
+            sys.exit("error: a torchrun run needs --sampling trajectory (each trajectory its own random stream, so "
+                     "the rollouts do not depend on how the batch is split across ranks)")
+        cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
+        if cuda:
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(args.device)
+            self.device = torch.device(args.device)
+        # a long timeout: the other ranks wait at a barrier while rank 0 makes the warmup
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=12))
+
+    def share(self, n: int) -> slice:
+        """This rank's contiguous share of n items (the first n % world ranks take one more)."""
+        q, r = divmod(n, self.world)
+        start = self.rank * q + min(self.rank, r)
+        return slice(start, start + q + (self.rank < r))
+
+    def gather(self, items: list) -> list:
+        """Every rank's `items`, concatenated in rank order: with share(), the batch's own order."""
+        if self.world == 1:
+            return items
+        out: list = [None] * self.world
+        dist.all_gather_object(out, items)
+        return [x for part in out for x in part]
+
+    def sum(self, *values: float) -> list[float]:
+        """Each value summed over the ranks."""
+        if self.world == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def any(self, flag: bool) -> bool:
+        return bool(self.sum(float(flag))[0]) if self.world > 1 else flag
+
+    def sum_gradients(self, params) -> None:
+        """Each gradient summed over the ranks (the losses already divide by the whole batch's |B|)."""
+        if self.world == 1:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])          # one all-reduce for all of them
+        dist.all_reduce(flat)
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p.grad))
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def end(self) -> None:
+        """Leave the process group together (a rank that leaves alone can abort its peer's last call)."""
+        if self.world > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+dp = DataParallel()
+
+
 class CtrlC:
     """Ctrl-C during RL: the current batch finishes, a checkpoint is saved, the run exits
     (--resume continues from the next batch). A second Ctrl-C stops at once."""
@@ -903,6 +1034,10 @@ class CtrlC:
         self.requested = True
         print("\n[arco] Ctrl-C: finishing this batch, then saving a checkpoint (Ctrl-C again to quit at once)",
               flush=True)
+
+    def agreed(self) -> bool:
+        """Whether any rank was asked to stop (one process: this one); every rank then stops at the same batch."""
+        return dp.any(self.requested)
 
     def stop(self, run_dir: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: list[dict], next_batch: int = 0):
         """Exit at a Ctrl-C: mid-epoch after saving the `interrupted` checkpoint (continuing at
@@ -1002,11 +1137,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.dry_run:
         print(describe_plan(args, args.train_size))
         return
+    dp.start(args)
     try:
         run_dir = run(args)
     except env.DataError as e:
         sys.exit(f"error: {e}")
-    print(f"[arco] done: {run_dir / 'report.md'}")
+    if dp.main:
+        print(f"[arco] done: {run_dir / 'report.md'}")
+    dp.end()
 
 
 if __name__ == "__main__":

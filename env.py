@@ -701,7 +701,8 @@ def observation_text(paragraph: tuple[str, str], max_chars: int) -> str:
 
 
 def rollout(examples: Sequence[Example], act: Callable[[list[list[dict]]], list], retriever,
-            max_searches: int | None = None, obs_chars: int = 400, progress: bool = False) -> list[Trajectory]:
+            max_searches: int | None = None, obs_chars: int = 400, progress: bool = False,
+            seeds: Sequence[int] | None = None) -> list[Trajectory]:
     """Run one trajectory per example, all environments in lockstep (Alg. 1, lines 7–14, 20–23).
 
     Each round calls `act` once with the prompts of every still-active trajectory (it returns one
@@ -711,7 +712,8 @@ def rollout(examples: Sequence[Example], act: Callable[[list[list[dict]]], list]
     argument, or a Search with no search left is an invalid step that still uses up the step. When
     no search is left, or at the last step of the horizon (budget + 1 steps), π gets the finish-only
     prompt (our choice: the last step always asks for an answer). With no Finish, the answer is ""
-    and R = 0.
+    and R = 0. With `seeds` (one per example) `act` is also given a seed per prompt, derived from its
+    trajectory's seed and the round: each trajectory then samples from its own random stream.
     """
     trajs = [Trajectory(ex, max_searches or DEFAULT_MAX_SEARCHES.get(ex.dataset, 3)) for ex in examples]
     rounds = max(t.max_searches for t in trajs) + 1 if trajs else 0
@@ -725,7 +727,10 @@ def rollout(examples: Sequence[Example], act: Callable[[list[list[dict]]], list]
             last = len(t.steps) == t.max_searches  # the horizon's final step
             forced.append(t.searches_left == 0 or last)
             prompts.append(policy_messages(t.example.question, format_history(t.steps), t.searches_left, forced[-1]))
-        replies = act(prompts)
+        if seeds is None:
+            replies = act(prompts)
+        else:
+            replies = act(prompts, [seeds[j] * 64 + len(t.steps) for j, t in enumerate(trajs) if not t.done])
         if len(replies) != len(prompts):
             raise ValueError(f"act returned {len(replies)} outputs for {len(prompts)} prompts")
         # act may return plain texts, or objects with .text and .token_ids (a model's generations)
@@ -764,6 +769,11 @@ def evaluate(examples: Sequence[Example], act: Callable[[list[list[dict]]], list
     and SFT-Only rows): EM / F1 (official HotpotQA semantics; an unfinished trajectory scores 0),
     searches per question, invalid-step and finished rates."""
     trajs = rollout(examples, act, retriever, max_searches, obs_chars, progress=True)
+    return dev_metrics(trajs), trajs
+
+
+def dev_metrics(trajs: Sequence[Trajectory]) -> dict:
+    """evaluate's numbers from its trajectories (a data-parallel run computes them on all ranks' trajectories)."""
     n = max(len(trajs), 1)
     steps = [st for t in trajs for st in t.steps]
     return {"n": len(trajs),
@@ -771,7 +781,7 @@ def evaluate(examples: Sequence[Example], act: Callable[[list[list[dict]]], list
             "f1": 100 * sum(f1_score(t.answer, t.example.answers) if t.finished else 0.0 for t in trajs) / n,
             "mean_searches": sum(st.action == "search" and st.valid for st in steps) / n,
             "invalid_rate": sum(not st.valid for st in steps) / max(len(steps), 1),
-            "finished_rate": sum(t.finished for t in trajs) / n}, trajs
+            "finished_rate": sum(t.finished for t in trajs) / n}
 
 
 # ----------------------------------------------------------------------------------------

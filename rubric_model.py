@@ -374,25 +374,28 @@ def _length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 
 
 def generate(bb: Backbone, prompts: Sequence[list[dict] | list[int]], max_new_tokens: int = 64,
-             temperature: float = 0.7, batch_size: int = 16, memo: PromptMemo | None = None) -> list[Generation]:
+             temperature: float = 0.7, batch_size: int = 16, memo: PromptMemo | None = None,
+             seeds: Sequence[int] | None = None) -> list[Generation]:
     """Batched sampling (temperature > 0) or greedy decoding (temperature 0) of chat replies,
     stopping each row at its end-of-turn token (`decode`).
 
     `prompts` are chat message lists (the chat template is applied here) or token ids. Sampling is
     plain temperature sampling (no top-k / top-p, whatever the model's own generation config says),
     so the sampled tokens follow exactly the softmax(logits / T) of the p_θ whose log-probs the losses
-    use. Rows are batched by length; the output keeps the input order.
+    use. Rows are batched by length; the output keeps the input order. `seeds` (one per prompt) give
+    each row its own random stream (decode).
     """
     ids = [list(p) if p and isinstance(p[0], int) else chat_prompt_ids(bb.tokenizer, p) for p in prompts]
-    return [g for g, _ in decode(bb, ids, max_new_tokens, temperature, batch_size, memo=memo)]
+    return [g for g, _ in decode(bb, ids, max_new_tokens, temperature, batch_size, memo=memo, seeds=seeds)]
 
 
 def policy_act(bb: Backbone, temperature: float, max_new_tokens: int, batch_size: int):
     """A policy as env.rollout's `act`: batched generation (sampling, or greedy at temperature 0); each
-    round runs only what its prompts add to the previous round's (one PromptMemo per rollout)."""
+    round runs only what its prompts add to the previous round's (one PromptMemo per rollout). env.rollout
+    passes per-prompt seeds when it was given per-trajectory seeds (--sampling trajectory)."""
     memo = PromptMemo()
-    return lambda prompts: generate(bb, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    batch_size=batch_size, memo=memo)
+    return lambda prompts, seeds=None: generate(bb, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                batch_size=batch_size, memo=memo, seeds=seeds)
 
 
 # ----------------------------------------------------------------------------------------
@@ -874,7 +877,8 @@ def _prefill(bb: Backbone, seqs: Sequence[Sequence[int]], memo: PromptMemo | Non
 @torch.no_grad()
 def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
            batch_size: int = 16, close: Callable[[list[int]], bool] | None = None,
-           hidden: bool = False, memo: PromptMemo | None = None) -> list[tuple[Generation, torch.Tensor | None]]:
+           hidden: bool = False, memo: PromptMemo | None = None,
+           seeds: Sequence[int] | None = None) -> list[tuple[Generation, torch.Tensor | None]]:
     """Batched decoding with a KV cache, the batch's common prefix run once (SharedPrefix).
 
     Greedy (temperature 0): a row leaves the batch when it is done — at an end-of-turn token, at
@@ -886,7 +890,10 @@ def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     every row is done — so a seed gives the same tokens (up to floating-point rounding); a finished row
     leaves the forward pass but stays in the draw with a placeholder distribution (one draw per row
     takes Exp(1) noise over the whole [B, V] tensor, whatever the probabilities: the other rows' tokens
-    do not change; tested against transformers). A `memo` (PromptMemo) reuses the keys/values of the
+    do not change; tested against transformers). With `seeds` (one per prompt) each row draws from its own
+    generator instead, so its tokens depend on its seed alone, not on which rows share its batch: what
+    makes a data-parallel run's rollouts those of the single-process run (arco.py --sampling trajectory).
+    A `memo` (PromptMemo) reuses the keys/values of the
     previous call's prompts. Returns (Generation, mean hidden [H] or None) per prompt, in the input order.
     """
     if hidden and (memo is not None or temperature > 0):
@@ -905,13 +912,17 @@ def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
         for batch in _length_batches([len(p) for p in prompts], batch_size):
             seqs = [list(prompts[i]) for i in batch]
             cache, mask, sums, h_last = _prefill(bb, seqs, memo)
+            streams = [torch.Generator(device=dev).manual_seed(seeds[i]) for i in batch] if sample and seeds else None
             last = torch.tensor([len(q) - 1 for q in seqs], device=dev)
             new: list[list[int]] = [[] for _ in seqs]
             rows = list(range(len(seqs)))            # the rows in the cache, in order
             alive = list(rows)                       # the rows still writing
             while True:
                 logits = _next_token_logits(bb, h_last)
-                if sample:                           # transformers' sampling: every row of the batch draws
+                if streams:                          # one generator per row: its own draws only
+                    probs = torch.softmax(logits / temperature, -1)
+                    pick = [int(torch.multinomial(probs[k], 1, generator=streams[row])) for k, row in enumerate(rows)]
+                elif sample:                         # transformers' sampling: every row of the batch draws
                     live = torch.tensor(rows, device=dev)
                     probs = logits.new_full((len(seqs), logits.shape[-1]), 1.0 / logits.shape[-1])
                     probs[live] = torch.softmax(logits / temperature, -1)

@@ -284,10 +284,10 @@ def test_learning_rate_and_kl_switch_at_the_transition(tiny_run, tiny_dir, monke
     seen = []
     real = arco.policy_update
 
-    def spy(pi, optimizer, trajs, A, args, kl_coef):
+    def spy(pi, optimizer, trajs, A, args, kl_coef, **kw):
         group = optimizer.param_groups[0]
         seen.append((group["lr"], kl_coef, group["weight_decay"], len(trajs)))
-        return real(pi, optimizer, trajs, A, args, kl_coef)
+        return real(pi, optimizer, trajs, A, args, kl_coef, **kw)
     monkeypatch.setattr(arco, "policy_update", spy)
     arco.main(tiny_args(tiny_dir, tiny_run, name="lr-switch", warmup_dir=tiny_run / "synthetic" / "warmup"))
     assert seen == [(2e-4, 0.0, 0.01, 4), (2e-4, 0.0, 0.01, 4), (1e-4, 0.05, 0.01, 4)]

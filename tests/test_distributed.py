@@ -1,0 +1,141 @@
+"""Data parallel (torchrun, issue 15): a 2-process gloo run of Algorithm 1 on CPU gives the numbers of the
+1-process run of the same global batch, and the batch statistics of Eq. 3-5 are the whole batch's."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOL = dict(rel=1e-4, abs=1e-6)
+
+
+def torchrun(nproc: int, script: list[str], cwd: Path, timeout: int = 900) -> str:
+    """`torchrun --standalone --nproc_per_node nproc script...` with one thread per rank (2 cores here)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script]
+    envs = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    res = subprocess.run(cmd, cwd=cwd, env=envs, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+BUCKET_SCRIPT = """
+import json, sys
+import torch
+import arco, env
+# Two ranks, unequal shares: rank 0 holds trajectory a (search, search, finish), rank 1 holds b (search,
+# finish) and c (finish). s per step: a 0.2, 0.3, 0.5 | b 0.1, 0.4 | c -0.5.
+arco.dp.start(arco.resolve_args(arco.parse_args(arco.Args, ["--dataset", "synthetic", "--sampling", "trajectory"])))
+ex = env.Example(id="q", question="?", answers=["x"], paragraphs=[("t", "p")], supporting=[0], dataset="synthetic")
+def traj(actions, reward):
+    t = env.Trajectory(ex, 3)
+    t.steps = [env.Step(prompt=[], output="", action=a, argument="", observation="", valid=True, reason="",
+                        searches_left=0, forced_finish=False) for a in actions]
+    t.reward = reward
+    return t
+mine = [traj(["search", "search", "finish"], 1.0)] if arco.dp.rank == 0 else \\
+    [traj(["search", "finish"], 0.0), traj(["finish"], 1.0)]
+s_mine = torch.tensor([0.2, 0.3, 0.5]) if arco.dp.rank == 0 else torch.tensor([0.1, 0.4, -0.5])
+trajs, s = arco.dp.gather(mine), torch.cat(arco.dp.gather([s_mine]))
+args = arco.resolve_args(arco.parse_args(arco.Args, ["--dataset", "synthetic", "--no-bucket-fallback",
+                                                     "--sparse-baseline", "batch"]))
+A, info = arco.advantages(trajs, s, True, args)
+A_sparse, _ = arco.advantages(trajs, None, False, args)
+total = arco.dp.sum(float(len(mine)))
+if arco.dp.rank == 0:
+    json.dump({"A": A, "means": info["mean_G_per_bucket"], "A_sparse": A_sparse, "n": total,
+               "share": [arco.dp.share(5).start, arco.dp.share(5).stop]}, open(sys.argv[1], "w"))
+arco.dp.end()
+"""
+
+
+def test_two_ranks_with_unequal_shares_compute_the_whole_batchs_bucket_means(tmp_path):
+    """Eq. 4's Ḡ_{B,b} over the whole batch when the ranks hold unequal numbers of steps per bucket.
+    By hand: G_a = (1.0, 0.8, 0.5), G_b = (0.5, 0.4), G_c = (−0.5). search_1: a 1.0, b 0.5 → 0.75;
+    search_2: a 0.8 alone → 0.8; terminal: a 0.5, b 0.4, c −0.5 → 0.4/3 = 0.1333…
+    A = α (G − Ḡ), α 0.5: a (0.125, 0, 0.18333), b (−0.125, 0.13333), c (−0.31667).
+    Sparse, batch baseline (Alg. 1, line 31): mean R = 2/3 → a +1/3, b −2/3, c +1/3."""
+    (tmp_path / "buckets.py").write_text(textwrap.dedent(BUCKET_SCRIPT))
+    torchrun(2, ["buckets.py", str(tmp_path / "out.json")], tmp_path, timeout=300)
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["means"] == pytest.approx({"search_1": 0.75, "search_2": 0.8, "terminal": 0.4 / 3})
+    assert [x for a in got["A"] for x in a] == pytest.approx(
+        [0.125, 0.0, 0.5 * (0.5 - 0.4 / 3), -0.125, 0.5 * (0.4 - 0.4 / 3), 0.5 * (-0.5 - 0.4 / 3)])
+    assert [a[0] for a in got["A_sparse"]] == pytest.approx([1 / 3, -2 / 3, 1 / 3])
+    assert got["n"] == [3.0]                      # |B| summed over the ranks: 1 + 2
+    assert got["share"] == [0, 3]                 # rank 0 of 2 takes 3 of 5 items (rank 1: 3..5)
+
+
+def numbers(rows):
+    """The numbers a run's metrics.jsonl holds (no timings, no memory)."""
+    out = []
+    for r in rows:
+        keep = {k: v for k, v in r.items() if not k.startswith("seconds") and k != "peak_rss_gib"}
+        out.append(keep)
+    return out
+
+
+def close(a, b, path="") -> str | None:
+    """The first place where two metric trees differ beyond TOL, or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{path}: keys {sorted(a)} vs {sorted(b)}"
+        return next((d for k in a if (d := close(a[k], b[k], f"{path}.{k}"))), None)
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} vs {len(b)} items"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := close(x, y, f"{path}[{i}]"))), None)
+    if isinstance(a, float) or isinstance(b, float):
+        return None if b == pytest.approx(a, **TOL) else f"{path}: {a} vs {b}"
+    return None if a == b else f"{path}: {a!r} vs {b!r}"
+
+
+# arco.py in fp32: a CPU with native bf16 runs every pass under bf16 autocast (rubric_model.CPU_AUTOCAST_DEFAULT),
+# whose rounding depends on the shape of a batch, hence on how the batch is split across ranks.
+FP32_ARCO = "import sys, rubric_model\nrubric_model.CPU_AUTOCAST_DEFAULT = False\nimport arco\narco.main(sys.argv[1:])\n"
+
+
+def test_a_two_process_run_writes_the_numbers_of_the_one_process_run(tiny_dir, tmp_path):
+    """Acceptance 1: `torchrun --nproc_per_node 2 arco.py` (gloo, the tiny model) against `python arco.py` with
+    the same seed and global batch: the same metrics.jsonl (every update's R, losses, KL, μ's scores and
+    bucket means; every evaluation), within TOL. --sampling trajectory gives each trajectory its own random
+    stream; --lora-dropout 0 because a dropout mask is drawn per training pass, and a rank's passes hold
+    other steps than the single process's."""
+    common = ["--dataset", "synthetic", "--model", str(tiny_dir), "--train-size", "7", "--eval-size", "5",
+              "--epochs", "2", "--sparse-epochs", "1", "--batch-size", "6", "--group-size", "2",
+              "--max-new-tokens-pi", "8", "--max-new-tokens-mu", "12", "--out-dir", str(tmp_path / "runs"),
+              "--sft-epochs-pi", "1", "--sft-epochs-mu", "1", "--warmup-samples", "2", "--device", "cpu",
+              "--sampling", "trajectory", "--lora-dropout", "0", "--seed", "3"]
+    (tmp_path / "fp32_arco.py").write_text(FP32_ARCO)
+    one = subprocess.run([sys.executable, "fp32_arco.py", *common, "--name", "one"], cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=900)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    out = torchrun(2, ["fp32_arco.py", *common, "--name", "two"], tmp_path)
+    runs = tmp_path / "runs" / "synthetic"
+    assert sorted(p.name for p in runs.iterdir()) == ["one", "two", "warmup"]      # one run folder, rank 0's
+    assert out.count("[arco] done:") == 1
+    a, b = (numbers([json.loads(x) for x in (runs / n / "metrics.jsonl").read_text().splitlines()]) for n in ("one", "two"))
+    updates = [r for r in a if r["kind"] == "update"]
+    # 7 questions: sparse batches of 3 questions × G 2 (3, 3, 1 questions), dense batches of 6 questions × 1
+    # (6, then 1: rank 1 holds no trajectory of that last batch); the ranks' shares are 3+3, 3+3, 1+1, 3+3, 1+0
+    assert [(r["epoch"], r["trajectories"]) for r in updates] == [(1, 6), (1, 6), (1, 2), (2, 6), (2, 1)]
+    assert any(r["rubric_loss"] for r in updates)
+    diff = close(a, b)
+    assert diff is None, diff
+
+
+def test_torchrun_refuses_the_batch_wide_random_stream(monkeypatch):
+    """--sampling batch draws once over the generation batch, so a rank's rollouts would depend on the split:
+    a torchrun run (WORLD_SIZE > 1) stops before joining the process group, saying what to pass."""
+    import arco
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    dp = arco.DataParallel()
+    assert (dp.world, dp.rank, dp.main) == (2, 1, False)
+    with pytest.raises(SystemExit, match="--sampling trajectory"):
+        dp.start(arco.resolve_args(arco.parse_args(arco.Args, ["--dataset", "synthetic"])))
+    assert [dp.share(7) for dp.rank in (0, 1)] == [slice(0, 4), slice(4, 7)]
