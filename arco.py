@@ -597,11 +597,13 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, ar
     t0 = time.time()
     group = [ex for ex in batch for _ in range(1 if dense else args.group_size)]     # B: G samples when sparse
     mine = dp.share(len(group))
-    seeds = [seed * 4096 + j for j in range(len(group))][mine] if args.sampling == "trajectory" else None
+    seeds = [(seed * 4096 + j) % 2 ** 56 for j in range(len(group))][mine] if args.sampling == "trajectory" else None
     act = policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch)
     trajs = dp.gather(env.rollout(group[mine], act, retriever, args.max_searches, args.obs_chars,
                                   seeds=seeds))                                          # lines 6–14
     row["seconds_rollout"] = time.time() - t0
+    if dp.world > 1:
+        torch.manual_seed(seed * 64 + dp.rank)                    # each rank its own LoRA dropout masks
     contexts = rubrics = d = s = None
     if mu is not None:
         t0 = time.time()
@@ -710,6 +712,7 @@ def ensure_warmup(args: Args) -> Path:
     for name in need[1:]:                     # μ's folder, when this run needs one
         warmup.check_mu_settings(folder, name, args)
     missing = [n for n in need if not (folder / n / "config.json").is_file()]
+    dp.barrier()                              # every rank has read the folder before rank 0 writes in it
     if missing and dp.main:
         print(f"[arco] {folder} has no {' or '.join(m + '/' for m in missing)}: running the offline oracle "
               f"warmup first (warmup.py)", flush=True)
@@ -853,7 +856,7 @@ def resume_from(folder: Path, run_dir: Path, args: Args):
     comes after it; returns them with the epoch and batch to continue from and the evaluations so far."""
     pi, _ = load_backbone_checkpoint(folder / "pi", device=args.device)
     mu = RubricModel.load(folder / "mu", device=args.device) if (folder / "mu").is_dir() else None
-    state = torch.load(folder / "optim.pt", weights_only=True)
+    state = torch.load(folder / "optim.pt", weights_only=True, map_location="cpu")
     opt_pi, opt_mu = make_optimizers(pi, mu, args)
     opt_pi.load_state_dict(state["opt_pi"])
     if mu is not None:
@@ -958,6 +961,9 @@ class DataParallel:
         if args.sampling != "trajectory":
             sys.exit("error: a torchrun run needs --sampling trajectory (each trajectory its own random stream, so "
                      "the rollouts do not depend on how the batch is split across ranks)")
+        if args.device.startswith("cuda:"):
+            sys.exit(f"error: under torchrun each rank takes its own GPU (cuda:LOCAL_RANK): pass --device cuda or "
+                     f"auto, not {args.device} (CUDA_VISIBLE_DEVICES chooses which GPUs)")
         cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
         if cuda:
             args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
@@ -1045,6 +1051,7 @@ class CtrlC:
         folder = run_dir / "checkpoints" / (f"epoch_{epoch}" if not next_batch else "interrupted")
         if next_batch:
             save_checkpoint(folder, pi, mu, opt_pi, opt_mu, epoch, history, next_batch)
+        dp.barrier()                          # no rank exits (torchrun then ends the others) before rank 0 has saved
         sys.exit(f"interrupted: the state after epoch {epoch}" + (f", batch {next_batch - 1}," if next_batch else "")
                  + f" is saved in {folder}; rerun the same command with --resume to continue")
 

@@ -13,13 +13,13 @@ REPO = Path(__file__).resolve().parents[1]
 TOL = dict(rel=1e-4, abs=1e-6)
 
 
-def torchrun(nproc: int, script: list[str], cwd: Path, timeout: int = 900) -> str:
+def torchrun(nproc: int, script: list[str], cwd: Path, timeout: int = 900, fails: bool = False) -> str:
     """`torchrun --standalone --nproc_per_node nproc script...` with one thread per rank (2 cores here)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script]
     envs = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     res = subprocess.run(cmd, cwd=cwd, env=envs, capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res.stdout
+    assert (res.returncode != 0) == fails, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout + res.stderr
 
 
 BUCKET_SCRIPT = """
@@ -96,6 +96,19 @@ def close(a, b, path="") -> str | None:
 # arco.py in fp32: a CPU with native bf16 runs every pass under bf16 autocast (rubric_model.CPU_AUTOCAST_DEFAULT),
 # whose rounding depends on the shape of a batch, hence on how the batch is split across ranks.
 FP32_ARCO = "import sys, rubric_model\nrubric_model.CPU_AUTOCAST_DEFAULT = False\nimport arco\narco.main(sys.argv[1:])\n"
+# The same, and every rank gets a SIGINT (Ctrl-C) right after epoch 1's first update.
+CTRL_C_ARCO = """import os, signal, sys, rubric_model
+rubric_model.CPU_AUTOCAST_DEFAULT = False
+import arco
+real = arco.iteration
+def iteration(*a, **k):
+    row = real(*a, **k)
+    if (row["epoch"], row["batch"]) == (1, 0):
+        os.kill(os.getpid(), signal.SIGINT)
+    return row
+arco.iteration = iteration
+arco.main(sys.argv[1:])
+"""
 
 
 def test_a_two_process_run_writes_the_numbers_of_the_one_process_run(tiny_dir, tmp_path):
@@ -117,7 +130,7 @@ def test_a_two_process_run_writes_the_numbers_of_the_one_process_run(tiny_dir, t
     out = torchrun(2, ["fp32_arco.py", *common, "--name", "two"], tmp_path)
     runs = tmp_path / "runs" / "synthetic"
     assert sorted(p.name for p in runs.iterdir()) == ["one", "two", "warmup"]      # one run folder, rank 0's
-    assert out.count("[arco] done:") == 1
+    assert out.count("[arco] done:") == 1                                           # rank 0 speaks
     a, b = (numbers([json.loads(x) for x in (runs / n / "metrics.jsonl").read_text().splitlines()]) for n in ("one", "two"))
     updates = [r for r in a if r["kind"] == "update"]
     # 7 questions: sparse batches of 3 questions × G 2 (3, 3, 1 questions), dense batches of 6 questions × 1
@@ -125,6 +138,15 @@ def test_a_two_process_run_writes_the_numbers_of_the_one_process_run(tiny_dir, t
     assert [(r["epoch"], r["trajectories"]) for r in updates] == [(1, 6), (1, 6), (1, 2), (2, 6), (2, 1)]
     assert any(r["rubric_loss"] for r in updates)
     diff = close(a, b)
+    assert diff is None, diff
+    # Ctrl-C on every rank mid-epoch: all stop after the same batch, rank 0 saves; --resume continues to the
+    # same numbers (every batch is seeded by itself, the optimizers' states are in the checkpoint).
+    (tmp_path / "ctrl_c_arco.py").write_text(CTRL_C_ARCO)
+    out = torchrun(2, ["ctrl_c_arco.py", *common, "--name", "three"], tmp_path, fails=True)
+    assert "is saved in" in out and (runs / "three" / "checkpoints" / "interrupted" / "state.json").is_file()
+    torchrun(2, ["fp32_arco.py", *common, "--name", "three", "--resume"], tmp_path)
+    c = numbers([json.loads(x) for x in (runs / "three" / "metrics.jsonl").read_text().splitlines()])
+    diff = close(a, c)
     assert diff is None, diff
 
 
