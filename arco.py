@@ -777,9 +777,9 @@ def make_optimizers(pi, mu, args: Args):
 def evaluate_policy(pi, examples, args: Args, retriever) -> tuple[dict, list]:
     """Greedy dev evaluation (env.evaluate): EM, F1, searches, invalid-step rate. Under torchrun each rank
     evaluates its share of the questions; the numbers are those of all of them."""
-    _, trajs = env.evaluate(examples[dp.share(len(examples))], policy_act(pi, 0.0, args.max_new_tokens_pi,
-                            args.gen_batch), retriever, args.max_searches, args.obs_chars)
-    trajs = dp.gather(trajs)
+    act = policy_act(pi, 0.0, args.max_new_tokens_pi, args.gen_batch)
+    trajs = dp.gather(env.rollout(examples[dp.share(len(examples))], act, retriever, args.max_searches,
+                                  args.obs_chars, progress=True))
     return env.dev_metrics(trajs), trajs
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from test_arco import first_difference, numbers, read_jsonl
+
 REPO = Path(__file__).resolve().parents[1]
-TOL = dict(rel=1e-4, abs=1e-6)
 
 
 def torchrun(nproc: int, script: list[str], cwd: Path, timeout: int = 900, fails: bool = False) -> str:
@@ -69,30 +70,6 @@ def test_two_ranks_with_unequal_shares_compute_the_whole_batchs_bucket_means(tmp
     assert got["share"] == [0, 3]                 # rank 0 of 2 takes 3 of 5 items (rank 1: 3..5)
 
 
-def numbers(rows):
-    """The numbers a run's metrics.jsonl holds (no timings, no memory)."""
-    out = []
-    for r in rows:
-        keep = {k: v for k, v in r.items() if not k.startswith("seconds") and k != "peak_rss_gib"}
-        out.append(keep)
-    return out
-
-
-def close(a, b, path="") -> str | None:
-    """The first place where two metric trees differ beyond TOL, or None."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return f"{path}: keys {sorted(a)} vs {sorted(b)}"
-        return next((d for k in a if (d := close(a[k], b[k], f"{path}.{k}"))), None)
-    if isinstance(a, list) and isinstance(b, list):
-        if len(a) != len(b):
-            return f"{path}: {len(a)} vs {len(b)} items"
-        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := close(x, y, f"{path}[{i}]"))), None)
-    if isinstance(a, float) or isinstance(b, float):
-        return None if b == pytest.approx(a, **TOL) else f"{path}: {a} vs {b}"
-    return None if a == b else f"{path}: {a!r} vs {b!r}"
-
-
 # arco.py in fp32: a CPU with native bf16 runs every pass under bf16 autocast (rubric_model.CPU_AUTOCAST_DEFAULT),
 # whose rounding depends on the shape of a batch, hence on how the batch is split across ranks.
 FP32_ARCO = "import sys, rubric_model\nrubric_model.CPU_AUTOCAST_DEFAULT = False\nimport arco\narco.main(sys.argv[1:])\n"
@@ -114,7 +91,7 @@ arco.main(sys.argv[1:])
 def test_a_two_process_run_writes_the_numbers_of_the_one_process_run(tiny_dir, tmp_path):
     """Acceptance 1: `torchrun --nproc_per_node 2 arco.py` (gloo, the tiny model) against `python arco.py` with
     the same seed and global batch: the same metrics.jsonl (every update's R, losses, KL, μ's scores and
-    bucket means; every evaluation), within TOL. --sampling trajectory gives each trajectory its own random
+    bucket means; every evaluation), within rel 1e-4 / abs 1e-6 (test_arco.first_difference). --sampling trajectory gives each trajectory its own random
     stream; --lora-dropout 0 because a dropout mask is drawn per training pass, and a rank's passes hold
     other steps than the single process's."""
     common = ["--dataset", "synthetic", "--model", str(tiny_dir), "--train-size", "7", "--eval-size", "5",
@@ -131,13 +108,13 @@ def test_a_two_process_run_writes_the_numbers_of_the_one_process_run(tiny_dir, t
     runs = tmp_path / "runs" / "synthetic"
     assert sorted(p.name for p in runs.iterdir()) == ["one", "two", "warmup"]      # one run folder, rank 0's
     assert out.count("[arco] done:") == 1                                           # rank 0 speaks
-    a, b = (numbers([json.loads(x) for x in (runs / n / "metrics.jsonl").read_text().splitlines()]) for n in ("one", "two"))
+    a, b = (numbers(read_jsonl(runs / n / "metrics.jsonl")) for n in ("one", "two"))
     updates = [r for r in a if r["kind"] == "update"]
     # 7 questions: sparse batches of 3 questions × G 2 (3, 3, 1 questions), dense batches of 6 questions × 1
     # (6, then 1: rank 1 holds no trajectory of that last batch); the ranks' shares are 3+3, 3+3, 1+1, 3+3, 1+0
     assert [(r["epoch"], r["trajectories"]) for r in updates] == [(1, 6), (1, 6), (1, 2), (2, 6), (2, 1)]
     assert any(r["rubric_loss"] for r in updates)
-    diff = close(a, b)
+    diff = first_difference(b, a)
     assert diff is None, diff
     # Ctrl-C on every rank mid-epoch: all stop after the same batch, rank 0 saves; --resume continues to the
     # same numbers (every batch is seeded by itself, the optimizers' states are in the checkpoint).
@@ -145,8 +122,8 @@ def test_a_two_process_run_writes_the_numbers_of_the_one_process_run(tiny_dir, t
     out = torchrun(2, ["ctrl_c_arco.py", *common, "--name", "three"], tmp_path, fails=True)
     assert "is saved in" in out and (runs / "three" / "checkpoints" / "interrupted" / "state.json").is_file()
     torchrun(2, ["fp32_arco.py", *common, "--name", "three", "--resume"], tmp_path)
-    c = numbers([json.loads(x) for x in (runs / "three" / "metrics.jsonl").read_text().splitlines()])
-    diff = close(a, c)
+    c = numbers(read_jsonl(runs / "three" / "metrics.jsonl"))
+    diff = first_difference(c, a)
     assert diff is None, diff
 
 
