@@ -92,6 +92,12 @@ class Args:
     k: int = field(default=3, metadata={"help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ... (under torchrun: each rank's "
                                                           "cuda:LOCAL_RANK when CUDA is there)"})
+    dtype: str = field(default="auto", metadata={"help": "weight dtype of π and μ: auto (bfloat16 on CUDA, float32 on "
+                                                         "CPU), float32 or bfloat16 (the same knob in every script)",
+                                                 "choices": ["auto", "float32", "bfloat16"]})
+    autocast: str = field(default="auto", metadata={"help": "bf16 compute over float32 weights: auto (on for a CPU with "
+                                                            "native bf16), on, off; bf16 weights need none",
+                                                    "choices": ["auto", "on", "off"]})
     sampling: str = field(default="batch", metadata={
         "help": "π's random stream when sampling rollouts: batch (one draw over the generation batch, as "
                 "transformers' generate) or trajectory (one seeded stream per trajectory: the same rollouts "
@@ -749,13 +755,14 @@ def mu_folder(args: Args) -> str:
 def build_models(args: Args, warmup_dir: Path):
     """π and μ from the warmup, each with a fresh LoRA on top of the merged SFT weights: the
     frozen references π_ref and μ_ref are the same modules with the adapter disabled."""
-    pi, _ = load_backbone_checkpoint(warmup_dir / "pi_sft", device=args.device)
+    load = dict(device=args.device, dtype=args.dtype, autocast=args.autocast)
+    pi, _ = load_backbone_checkpoint(warmup_dir / "pi_sft", **load)
     if hasattr(pi.model, "peft_config"):
         merge_lora(pi)
     add_lora(pi, dropout=args.lora_dropout)
     if args.reward == "outcome":
         return pi, None
-    mu = RubricModel.load(warmup_dir / mu_folder(args), device=args.device)
+    mu = RubricModel.load(warmup_dir / mu_folder(args), **load)
     if mu.rubric_mode != args.rubric or mu.k != args.k:
         sys.exit(f"error: the warmup μ in {warmup_dir / mu_folder(args)} has rubric_mode={mu.rubric_mode}, "
                  f"K={mu.k}, but this run asks for --rubric {args.rubric} --k {args.k}")
@@ -854,8 +861,9 @@ def update_line(row: dict, epoch: int, b: int) -> str:
 def resume_from(folder: Path, run_dir: Path, args: Args):
     """Rebuild π, μ and their optimizers as they were in a checkpoint, and drop from the logs what
     comes after it; returns them with the epoch and batch to continue from and the evaluations so far."""
-    pi, _ = load_backbone_checkpoint(folder / "pi", device=args.device)
-    mu = RubricModel.load(folder / "mu", device=args.device) if (folder / "mu").is_dir() else None
+    load = dict(device=args.device, dtype=args.dtype, autocast=args.autocast)
+    pi, _ = load_backbone_checkpoint(folder / "pi", **load)
+    mu = RubricModel.load(folder / "mu", **load) if (folder / "mu").is_dir() else None
     state = torch.load(folder / "optim.pt", weights_only=True, map_location="cpu")
     opt_pi, opt_mu = make_optimizers(pi, mu, args)
     opt_pi.load_state_dict(state["opt_pi"])

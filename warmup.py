@@ -108,6 +108,12 @@ class Args:
     rubric: str = field(default="adaptive", metadata={"help": "μ variant (rubric_model.RUBRIC_MODES)",
                                                        "choices": list(RUBRIC_MODES)})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, ..."})
+    dtype: str = field(default="auto", metadata={"help": "weight dtype of π and μ: auto (bfloat16 on CUDA, float32 on "
+                                                         "CPU), float32 or bfloat16 (the same knob in every script)",
+                                                 "choices": ["auto", "float32", "bfloat16"]})
+    autocast: str = field(default="auto", metadata={"help": "bf16 compute over float32 weights: auto (on for a CPU with "
+                                                            "native bf16), on, off; bf16 weights need none",
+                                                    "choices": ["auto", "on", "off"]})
     sft_epochs_pi: int = field(default=6, metadata={"help": "π SFT epochs (release: 6)"})
     sft_epochs_mu: int = field(default=10, metadata={"help": "μ SFT epochs (release: 10)"})
     sft_lr_pi: float = field(default=1e-5, metadata={"help": "π SFT LoRA learning rate (release: 1e-5)"})
@@ -1362,7 +1368,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     if (out_dir / "pi_sft" / "config.json").is_file() and "sft_only" in old:
         print(f"[warmup] π SFT: reusing {out_dir / 'pi_sft'}", flush=True)
     else:
-        pi = load_backbone(args.model, device=args.device)
+        pi = load_backbone(args.model, device=args.device, dtype=args.dtype, autocast=args.autocast)
         print(f"[warmup] evaluating the base policy ({args.model}) on {len(dev)} dev questions", flush=True)
 
         def dev_eval(policy):
@@ -1393,7 +1399,8 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         check_mu_settings(out_dir, name, args)
         print(f"[warmup] μ SFT: reusing {out_dir / name}", flush=True)
         return metrics
-    mu_backbone = load_backbone(args.mu_model or args.model, device=args.device)
+    mu_backbone = load_backbone(args.mu_model or args.model, device=args.device, dtype=args.dtype,
+                                autocast=args.autocast)
     torch.manual_seed(args.seed)                # μ's score head, LoRA and dropout (whether π was reused or not)
     mu = RubricModel(mu_backbone, k=args.k, rubric_mode=args.rubric, examples=args.mu_examples)
     probe = list(mu_items[:args.warmup_probe])

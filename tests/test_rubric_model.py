@@ -688,6 +688,15 @@ def test_bf16_weights_decode_score_and_train(arch, request):
     assert lp.logprobs.dtype == torch.float32 and torch.isfinite(lp.logprobs).all() and (full.kl >= -1e-4).all()
     lp.sums().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in rm.trainable_parameters(bb.model))
+    seqs = [prompts[0] + [5, 6, 7], prompts[0] + [8, 9], prompts[1] + [10]]       # the training passes' engine
+    lens = [3, 2, 1]
+    root = rm.SharedPrefix(bb, seqs, [r + 1 for r in lens])
+    outs = rm.packed_steps(bb, seqs, lens, root, rm.reference_logq(bb, seqs, lens))
+    with torch.no_grad():
+        plain = sequence_logprobs(bb, [q[:-r] for q, r in zip(seqs, lens)], [q[-r:] for q, r in zip(seqs, lens)])
+    assert torch.allclose(torch.cat([o.logprobs for o in outs]), plain.logprobs[plain.mask], atol=0.1)  # bf16 rounding
+    assert all(torch.isfinite(o.logprobs).all() and o.kl.dtype == torch.float32 for o in outs)
+    sum(o.logprobs.sum() + o.kl.sum() for o in outs).backward()
     mu = RubricModel(rm.load_backbone(str(folder), device="cpu", dtype="bfloat16"), k=3, examples=0)
     with torch.no_grad():
         rubrics, scores = mu.annotate(CTX, temperature=0.0, max_new_tokens=8, batch_size=2)

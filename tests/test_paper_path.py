@@ -1,0 +1,71 @@
+"""The `paper` preset's code path without a GPU (issue 31): Qwen3 in bfloat16, the release recipe's every
+switch, only the sizes shrunk. `python arco.py --dataset hotpotqa --preset paper` loads Qwen3-4B-Instruct-2507
+in bf16 on a GPU; here a tiny random Qwen3 of the same architecture (conftest.tiny_qwen3_dir) in bf16 runs
+the same path on CPU: warmup (collection, π SFT, μ SFT), a sparse and a dense epoch, evaluation, selection,
+on the real HotpotQA sample. The retriever is the embedded MiniLM (the preset's SimCSE would be a download)."""
+import json
+
+import pytest
+import torch
+
+import arco
+import rubric_model as rm
+
+SHRUNK = dict(train_size=4, eval_size=3, epochs=2, sparse_epochs=1, batch_size=4, warmup_size=4, warmup_samples=2,
+              warmup_probe=4, sft_epochs_pi=1, sft_epochs_mu=1, sft_batch_pi=8, sft_batch_mu=8, max_new_tokens_pi=8,
+              max_new_tokens_mu=12, gen_batch=8, pass_tokens=2048, micro_batch=4)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def well_formed(policy_act):
+    """π's act, with each sampled reply replaced by a well-formed action (alternately a search and an answer),
+    re-encoded as π would write it: a random tiny model writes no valid action, and the policy update (Eq. 3)
+    skips invalid steps, so without this the run would never compute π's loss. Mechanics only: log-probs, the
+    KL and the backward then run on real tokens under the bf16 model."""
+    count = iter(range(10 ** 6))
+
+    def make(pi, *a, **kw):
+        act = policy_act(pi, *a, **kw)
+
+        def replies(prompts, seeds=None):
+            out = []
+            for g in act(prompts, seeds):
+                text = "Search[film director]" if next(count) % 2 else "Finish[yes]"
+                out.append(rm.Generation(text, rm.encode_response(pi, text), g.prompt_ids))
+            return out
+        return replies
+    return make
+
+
+def test_the_paper_preset_runs_end_to_end_on_a_tiny_qwen3_in_bf16(tiny_qwen3_dir, data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(arco, "policy_act", well_formed(arco.policy_act))
+    argv = ["--dataset", "hotpotqa", "--preset", "paper", "--model", str(tiny_qwen3_dir), "--retriever", "",
+            "--retriever-pooling", "mean", "--dtype", "bfloat16", "--device", "cpu", "--data-dir", data_dir,
+            "--out-dir", str(tmp_path)]
+    for k, v in SHRUNK.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    arco.main(argv)
+    run = tmp_path / "hotpotqa" / "arco"
+    args = json.loads((run / "args.json").read_text())
+    preset = arco.PRESETS["paper"]
+    kept = {k: v for k, v in preset.items() if k not in SHRUNK and k not in ("model", "retriever", "retriever_pooling")}
+    assert {k: args[k] for k in kept} == kept and args["dtype"] == "bfloat16"   # every other switch: the paper's
+    rows = read_jsonl(run / "metrics.jsonl")
+    updates = [r for r in rows if r["kind"] == "update"]
+    # G = 4: a sparse update is 1 question × 4 samples (4 updates), a dense one 4 questions × 1
+    assert [(r["epoch"], r["dense"], r["trajectories"]) for r in updates] == [(1, False, 4)] * 4 + [(2, True, 4)]
+    for r in updates:
+        assert r["policy_steps"] > 0 and r["invalid_rate"] < 1
+        assert all(v == v and abs(v) != float("inf") for k, v in r.items() if isinstance(v, float))
+    dense = updates[-1]
+    assert dense["policy_loss"] != 0 and dense["decomposition_mse"] > 0 and dense["kl_pi"] >= 0
+    assert [r["epoch"] for r in rows if r["kind"] == "eval"] == [0, 1, 2]
+    assert json.loads((run / "selection.json").read_text())["selected_epoch"] == 2
+    pi, _ = rm.load_backbone_checkpoint(run / "checkpoints" / "epoch_2" / "pi", device="cpu", dtype="bfloat16")
+    assert type(pi.model.get_base_model()).__name__ == "Qwen3ForCausalLM"
+    assert next(pi.model.get_base_model().parameters()).dtype == torch.bfloat16
+    moved = [p for n, p in pi.model.named_parameters() if "lora_B" in n and p.abs().sum() > 0]
+    assert moved                                              # the dense update (A ≠ 0) moved π's RL adapter
