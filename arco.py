@@ -62,8 +62,8 @@ import warmup
 from evaluate import parse_args
 from rubric_model import (RUBRIC_MODES, RubricModel, SharedPrefix, add_lora, chat_prompt_ids,
                           contexts_from_trajectory, encode_response, load_backbone_checkpoint, merge_lora,
-                          packed_steps, policy_act, reference, reference_logq, save_backbone, token_passes,
-                          trainable_parameters)
+                          memory_estimate, packed_steps, policy_act, reference, reference_logq, save_backbone,
+                          token_passes, trainable_parameters)
 from warmup import dev_rank, mu_dir_name
 
 
@@ -98,6 +98,8 @@ class Args:
     autocast: str = field(default="auto", metadata={"help": "bf16 compute over float32 weights: auto (on for a CPU with "
                                                             "native bf16), on, off; bf16 weights need none",
                                                     "choices": ["auto", "on", "off"]})
+    gpu_memory: float = field(default=80.0, metadata={"help": "GiB of the one device --dry-run's memory estimate "
+                                                              "checks the run against (the paper: one 80 GB GPU)"})
     sampling: str = field(default="batch", metadata={
         "help": "π's random stream when sampling rollouts: batch (one draw over the generation batch, as "
                 "transformers' generate) or trajectory (one seeded stream per trajectory: the same rollouts "
@@ -1151,6 +1153,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = resolve_args(parse_args(Args, argv, description=__doc__))
     if args.dry_run:
         print(describe_plan(args, args.train_size))
+        print(memory_estimate(args)["text"])
         return
     dp.start(args)
     try:

@@ -1506,6 +1506,7 @@ def loop_benchmark(args: arco.Args) -> dict:
     timed("π update", lambda: arco.policy_update(pi, opt_pi, trajs, A, args, args.kl_pi_dense))
     timed("μ update", lambda: arco.rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))
     peak_gib = arco.peak_rss_gib()
+    gpu_gib = torch.cuda.max_memory_allocated() / 2 ** 30 if pi.device.type == "cuda" else None
 
     # Token counts of each phase and the raw rates of the same kinds of pass on the same shapes.
     pi_items = [(len(rubric_model.chat_prompt_ids(pi.tokenizer, st.prompt)),
@@ -1543,8 +1544,17 @@ def loop_benchmark(args: arco.Args) -> dict:
     result = {"dataset": args.dataset, "preset": args.preset, "trajectories": len(trajs), "steps": len(contexts),
               "seconds": total, "trajectories_per_minute": 60 * len(trajs) / total, "peak_rss_gib": peak_gib,
               "phases": phases, "raw_rates": {"π": rate_pi, "μ": rate_mu}, "threads": torch.get_num_threads()}
+    estimate = rubric_model.memory_estimate(args)
+    dense_epoch = math.ceil(args.train_size / args.batch_size) * total       # a dense epoch: train_size / |B| updates
+    result.update(peak_gpu_gib=gpu_gib, estimate_gib=estimate.get("peak_gib"), dense_epoch_seconds=dense_epoch)
     lines += [f"{'all':22s} {total:8.1f}   →  {result['trajectories_per_minute']:.2f} trajectories per minute; "
-              f"peak RSS {peak_gib:.2f} GiB",
+              f"peak RSS {peak_gib:.2f} GiB" + (f", peak GPU memory {gpu_gib:.2f} GiB" if gpu_gib is not None else ""),
+              estimate["text"],
+              f"projection: one dense epoch ({math.ceil(args.train_size / args.batch_size)} updates of "
+              f"{args.batch_size} trajectories) ≈ {dense_epoch / 3600:.2f} h, the paper schedule's "
+              f"{args.epochs - args.sparse_epochs} dense epochs ≈ {(args.epochs - args.sparse_epochs) * dense_epoch / 3600:.1f} h "
+              f"(paper, Appendix C, HotpotQA / Qwen3-4B on one 80 GB GPU: 1h 22m of dense training up to its "
+              f"selected checkpoint)",
               "raw: tokens of the phase at the raw rate of its kind of pass on uniform batches of the same "
               "mean length (tokens: new tokens for generation, sequence tokens otherwise)"]
     print("\n".join(lines))

@@ -241,6 +241,69 @@ def _from_pretrained(name: str, dtype: torch.dtype, **hub):
     return model, tokenizer
 
 
+RANDOM = "random:"          # --model random:Qwen3-4B: a random-init model of a public shape (benchmarks, no download)
+
+# Public shapes (the models' config.json on the hub) for random-init stand-ins and the memory estimate.
+SHAPES = {
+    "SmolLM2-135M": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         tie_word_embeddings=True),
+    "Qwen3-0.6B": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True),
+    "Qwen3-4B": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=True),
+    "Llama-3.2-3B": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         tie_word_embeddings=True),
+}
+HUB_SHAPES = {"HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M", EMBEDDED: "SmolLM2-135M",
+              "Qwen/Qwen3-0.6B": "Qwen3-0.6B", "Qwen/Qwen3-4B": "Qwen3-4B", "Qwen/Qwen3-4B-Instruct-2507": "Qwen3-4B",
+              "meta-llama/Llama-3.2-3B-Instruct": "Llama-3.2-3B"}
+
+
+def model_shape(name: str) -> dict | None:
+    """A model's shape (SHAPES' keys) without its weights: random:<shape or config.json>, a local folder's
+    config.json, the HF cache's, else the public figures of a known hub id; None when unknown."""
+    if name.startswith(RANDOM):
+        spec = name[len(RANDOM):]
+        if spec in SHAPES:
+            return dict(SHAPES[spec])
+        if Path(spec).is_file():
+            return json.loads(Path(spec).read_text())
+        raise ModelLoadError(f"--model {name}: give one of {', '.join(SHAPES)} or a config.json file after 'random:'")
+    folder = embedded_checkpoint() if name == EMBEDDED else Path(name).expanduser()
+    if (folder / "config.json").is_file():
+        return json.loads((folder / "config.json").read_text())
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        cached = try_to_load_from_cache(name, "config.json")
+        if isinstance(cached, str):
+            return json.loads(Path(cached).read_text())
+    except (ImportError, ValueError):
+        pass
+    return dict(SHAPES[HUB_SHAPES[name]]) if name in HUB_SHAPES else None
+
+
+def random_model(name: str, dtype: torch.dtype, device: torch.device):
+    """A random-init model of a public shape with the embedded SmolLM2 tokenizer (its ids fit any of the
+    SHAPES' vocabularies): the costs of a real model of that shape, no weights downloaded. The same name
+    gives the same weights (seed 0), so a checkpoint over it loads again."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    shape = {k: v for k, v in model_shape(name).items() if k not in ("architectures", "torch_dtype", "dtype")}
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_checkpoint()))
+    if shape["vocab_size"] < len(tokenizer):
+        raise ModelLoadError(f"--model {name}: vocabulary {shape['vocab_size']} < the tokenizer's {len(tokenizer)}")
+    config = AutoConfig.for_model(**{**shape, "bos_token_id": tokenizer.bos_token_id,
+                                     "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.eos_token_id})
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model, tokenizer
+
+
 def check_supported(model: nn.Module, name: str) -> None:
     """Refuse, at load, what the fast passes would silently mis-compute: every cache layer is turned into
     a plain growing layer (_cache) and packed passes attend through 4-D tree masks (pack), so a model
@@ -269,6 +332,8 @@ def load_backbone(name: str = EMBEDDED, device: str = "auto", dtype: str = "auto
     weights = resolve_dtype(dtype, dev)
     if name == EMBEDDED:
         model, tokenizer = _from_pretrained(str(embedded_checkpoint()), weights)
+    elif name.startswith(RANDOM):
+        model, tokenizer = random_model(name, weights, dev)
     elif Path(name).expanduser().is_dir():
         model, tokenizer = _from_pretrained(str(Path(name).expanduser()), weights)
     else:
@@ -1618,6 +1683,80 @@ def benchmark(args: Args) -> dict:
     print(f"batched generation speed-up: {speedup:.1f}x (target >= 4x)")
     print("These numbers are noisy (shared CPU): rerun before drawing fine conclusions.")
     return results
+
+
+# ----------------------------------------------------------------------------------------
+# 7. Memory estimate (arco.py --dry-run): the peak on one device, from the models' shapes alone
+# ----------------------------------------------------------------------------------------
+
+GIB = 2 ** 30
+RUNTIME_GIB = 1.0            # the process before any model: torch, transformers, the retriever, the data (CPU);
+                             # the CUDA context and allocator slack on a GPU. Calibrated in RESULTS ("memory")
+
+
+def _parameters(c: dict) -> int:
+    h, i, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    hd = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (2 * hd if c.get("model_type") == "qwen3" else 0)
+    return L * per_layer + v * h * (1 if c.get("tie_word_embeddings", True) else 2) + h
+
+
+def _token_bytes(c: dict, b: int) -> dict:
+    """Bytes per token of one model: its KV cache, and the activations a training pass keeps for the backward
+    through every layer (weights frozen, LoRA on q and v, SDPA attention). Per layer, counted from what
+    autograd saves in a Llama/Qwen3 block: the two RMSNorms' float32 inputs (2 × 4h), the LoRA inputs and
+    dropout masks (2 × (b + 1) h), SDPA's q, k, v (KV heads repeated) and output (4 q b), Qwen3's q/k norms in
+    float32 (4 (q + kv)), the MLP's gate, SiLU and up outputs (3 i b)."""
+    h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    hd = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    layer = 8 * h + 2 * (b + 1) * h + 4 * q * b + 3 * i * b + (4 * (q + kv) if c.get("model_type") == "qwen3" else 0)
+    return {"kv": L * 2 * kv * b, "activations": L * layer, "logits": 3 * 4 * c["vocab_size"]}
+
+
+def memory_estimate(args) -> dict:
+    """The peak memory of one arco.py process on one device, in GiB, from π's and μ's shapes (model_shape:
+    no weights are loaded), the weight dtype and the batch settings. The phases do not overlap: the peak is
+    the weights plus the largest of the rollout's KV cache and a training pass's activations. The references
+    π_ref, μ_ref cost nothing (the adapter disabled). Context lengths are estimated from the prompts' parts:
+    instructions and question (~350 tokens), each search's observation (--obs-chars / 4, or ~200 tokens for a
+    whole paragraph) and action, the reply."""
+    # the device it is meant for: --device auto with the paper preset means the GPU, whatever this machine has
+    device = torch.device("cuda") if args.device == "auto" and getattr(args, "preset", "") == "paper" \
+        else resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    b = torch.finfo(dtype).bits // 8
+    shapes = {"π": model_shape(args.model), "μ": model_shape(args.mu_model or args.model)}
+    if any(v is None for v in shapes.values()):
+        unknown = [n for n, v in shapes.items() if v is None]
+        return {"known": False, "text": f"memory: no shape known for {', '.join(unknown)} (not a local folder, "
+                                        f"not in the HF cache, not one of {', '.join(HUB_SHAPES)})"}
+    if getattr(args, "reward", "arco") == "outcome":
+        shapes.pop("μ")
+    obs = args.obs_chars / 4 if args.obs_chars else 200
+    context = 350 + (args.max_searches or 3) * (obs + 30) + args.max_new_tokens_pi
+    rows = {"weights": 0.0, "lora + AdamW": 0.0, "rollout KV cache": 0.0, "training pass": 0.0}
+    for who, c in shapes.items():
+        lora = c["num_hidden_layers"] * 8 * 2 * c["hidden_size"] * 2   # r 8 on q and v: A and B, ≈ 2 × 8 × (h + h)
+        rows["weights"] += _parameters(c) * b
+        rows["lora + AdamW"] += lora * 16 + (c["hidden_size"] * 256 * 16 if who == "μ" else 0)  # fp32 w, grad, 2 moments
+        per = _token_bytes(c, b)
+        new = args.max_new_tokens_pi if who == "π" else args.max_new_tokens_mu
+        rows["rollout KV cache"] = max(rows["rollout KV cache"], args.gen_batch * (context + new) * per["kv"])
+        response = args.pass_tokens * new / (context + new)              # LM-head rows of one pass (log-probs, KL)
+        rows["training pass"] = max(rows["training pass"], args.pass_tokens * per["activations"]
+                                    + response * per["logits"])
+    peak = (rows["weights"] + rows["lora + AdamW"] + max(rows["rollout KV cache"], rows["training pass"])) / GIB \
+        + RUNTIME_GIB
+    budget = getattr(args, "gpu_memory", 80)
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in rows.items())
+    text = (f"memory (estimate, {str(dtype).replace('torch.', '')} weights, {'+'.join(shapes)}): {parts}, runtime "
+            f"{RUNTIME_GIB:.1f} GiB → peak {peak:.1f} GiB on one device, "
+            + (f"fits --gpu-memory {budget:g} GiB" if peak <= budget else
+               f"does NOT fit --gpu-memory {budget:g} GiB: lower --pass-tokens or --gen-batch"))
+    return {"known": True, "peak_gib": peak, "fits": peak <= budget, "dtype": str(dtype),
+            **{k: v / GIB for k, v in rows.items()}, "text": text}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
