@@ -59,11 +59,11 @@ import torch.distributed as dist
 
 import env
 import warmup
-from evaluate import parse_args
-from rubric_model import (RUBRIC_MODES, RubricModel, SharedPrefix, add_lora, chat_prompt_ids,
-                          contexts_from_trajectory, encode_response, load_backbone_checkpoint, merge_lora,
+from evaluate import UsageError, main_guard, parse_args
+from rubric_model import (RUBRIC_MODES, ModelLoadError, RubricModel, SharedPrefix, add_lora, chat_prompt_ids,
+                          check_intact, check_model_available, contexts_from_trajectory, damaged, encode_response, load_backbone_checkpoint, merge_lora,
                           memory_estimate, packed_steps, policy_act, reference, reference_logq, save_backbone,
-                          token_passes, trainable_parameters)
+                          token_passes, trainable_parameters, write_manifest)
 from warmup import dev_rank, mu_dir_name
 
 
@@ -76,7 +76,7 @@ class Args:
                                                   "choices": ["cpu", "paper"]})
     name: str = field(default="", metadata={"help": "run name under runs/<dataset>/ (default: from --reward/--rubric/--k)"})
     out_dir: str = field(default="runs", metadata={"help": "root folder of all runs"})
-    data_dir: str = field(default="", metadata={"help": "data folder (else $ARCO_DATA_DIR, else a download)"})
+    data_dir: str = field(default="", metadata={"path": "dir", "help": "data folder (else $ARCO_DATA_DIR, else a download)"})
     warmup_dir: str = field(default="", metadata={"help": "the warmup folder (pi_sft/, mu_sft*/; default "
                                                            "runs/<dataset>/warmup); what is missing is trained first"})
     resume: bool = field(default=False, metadata={"help": "continue a killed run from its last finished epoch"})
@@ -89,7 +89,7 @@ class Args:
     rubric: str = field(default="adaptive", metadata={"help": "μ variant (Table 2): adaptive, prefix-free (w/o Prefix), "
                                                                "static (w/o Adaptive), none (w/o Rubric)",
                                                        "choices": list(RUBRIC_MODES)})
-    k: int = field(default=3, metadata={"help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
+    k: int = field(default=3, metadata={"min": 1, "max": 9, "help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ... (under torchrun: each rank's "
                                                           "cuda:LOCAL_RANK when CUDA is there)"})
     dtype: str = field(default="auto", metadata={"help": "weight dtype of π and μ: auto (bfloat16 on CUDA, float32 on "
@@ -98,7 +98,7 @@ class Args:
     autocast: str = field(default="auto", metadata={"help": "bf16 compute over float32 weights: auto (on for a CPU with "
                                                             "native bf16), on, off; bf16 weights need none",
                                                     "choices": ["auto", "on", "off"]})
-    gpu_memory: float = field(default=80.0, metadata={"help": "GiB of the one device --dry-run's memory estimate "
+    gpu_memory: float = field(default=80.0, metadata={"above": 0, "help": "GiB of the one device --dry-run's memory estimate "
                                                               "checks the run against (the paper: one 80 GB GPU)"})
     sampling: str = field(default="batch", metadata={
         "help": "π's random stream when sampling rollouts: batch (one draw over the generation batch, as "
@@ -112,16 +112,16 @@ class Args:
                                                                    "all-MiniLM-L6-v2, or an HF id/folder (paper: SimCSE)"})
     retriever_pooling: str | None = field(default=None, metadata={"help": "mean (MiniLM) or cls (SimCSE)",
                                                                   "choices": ["mean", "cls"]})
-    train_size: int | None = field(default=None, metadata={"help": "training questions (paper 2,000)"})
-    eval_size: int | None = field(default=None, metadata={"help": "dev questions evaluated (paper 500)"})
-    epochs: int | None = field(default=None, metadata={"help": "RL epochs E (release 8)"})
+    train_size: int | None = field(default=None, metadata={"min": 1, "help": "training questions (paper 2,000)"})
+    eval_size: int | None = field(default=None, metadata={"min": 1, "help": "dev questions evaluated (paper 500)"})
+    epochs: int | None = field(default=None, metadata={"min": 1, "help": "RL epochs E (release 8)"})
     sparse_epochs: int | None = field(default=None, metadata={"help": "epochs trained on R(τ) alone before the dense "
                                                                        "ones (release 3: dense_start_epoch 3, 0-based; "
                                                                        "Alg. 1's η = this + 1)"})
-    batch_size: int | None = field(default=None, metadata={"help": "trajectories per update (release 64): sparse "
+    batch_size: int | None = field(default=None, metadata={"min": 1, "help": "trajectories per update (release 64): sparse "
                                                                     "epochs take batch_size / G questions × G samples, "
                                                                     "dense epochs batch_size questions × 1"})
-    group_size: int | None = field(default=None, metadata={"help": "G: samples per question in sparse epochs (release 4; "
+    group_size: int | None = field(default=None, metadata={"min": 1, "help": "G: samples per question in sparse epochs (release 4; "
                                                                     "Alg. 1's text: 1)"})
     sparse_baseline: str | None = field(default=None, metadata={"help": "baseline of R(τ) in sparse epochs: group (mean "
                                                                          "of the question's G samples, release) or batch "
@@ -151,41 +151,41 @@ class Args:
     alpha: float | None = field(default=None, metadata={"help": "α, dense reward scale (Eq. 3; 0.5)"})
     weight_decay: float | None = field(default=None, metadata={"help": "AdamW weight decay of every optimizer, RL and "
                                                                         "SFT (release 0.01)"})
-    lora_dropout: float | None = field(default=None, metadata={"help": "dropout of π's and μ's RL LoRA adapters (release "
+    lora_dropout: float | None = field(default=None, metadata={"below": 1, "help": "dropout of π's and μ's RL LoRA adapters (release "
                                                                         "0.05); 0 makes a torchrun run's updates those "
                                                                         "of the single-process run"})
-    max_new_tokens_pi: int | None = field(default=None, metadata={"help": "π's max new tokens per action (64)"})
-    max_new_tokens_mu: int | None = field(default=None, metadata={"help": "μ's max new tokens per rubric (128)"})
-    max_searches: int | None = field(default=None, metadata={"help": "search budget (default: 3, MuSiQue 6)"})
+    max_new_tokens_pi: int | None = field(default=None, metadata={"min": 1, "help": "π's max new tokens per action (64)"})
+    max_new_tokens_mu: int | None = field(default=None, metadata={"min": 1, "help": "μ's max new tokens per rubric (128)"})
+    max_searches: int | None = field(default=None, metadata={"min": 1, "help": "search budget (default: 3, MuSiQue 6)"})
     obs_chars: int | None = field(default=None, metadata={"help": "observation cut, characters (0 = the whole paragraph)"})
-    micro_batch: int | None = field(default=None, metadata={"help": "sequences per SFT forward pass (memory; gradients "
+    micro_batch: int | None = field(default=None, metadata={"min": 1, "help": "sequences per SFT forward pass (memory; gradients "
                                                                       "are accumulated)"})
-    pass_tokens: int | None = field(default=None, metadata={"help": "most tokens in one training pass (memory): an update "
+    pass_tokens: int | None = field(default=None, metadata={"min": 1, "help": "most tokens in one training pass (memory): an update "
                                                                     "is cut into passes; a trajectory longer than this "
                                                                     "is recomputed in μ's backward (checkpointing)"})
-    gen_batch: int | None = field(default=None, metadata={"help": "prompts per generation batch (π and μ)"})
-    mu_examples: int | None = field(default=None, metadata={"help": "worked examples in μ's rubric prompt, 0-2 "
+    gen_batch: int | None = field(default=None, metadata={"min": 1, "help": "prompts per generation batch (π and μ)"})
+    mu_examples: int | None = field(default=None, metadata={"max": 2, "help": "worked examples in μ's rubric prompt, 0-2 "
                                                                       "(~200 tokens per step each)"})
-    warmup_size: int | None = field(default=None, metadata={"help": "warmup questions (release 1,000)"})
+    warmup_size: int | None = field(default=None, metadata={"min": 1, "help": "warmup questions (release 1,000)"})
     warmup_questions: str | None = field(default=None, metadata={
         "help": "within: RL's training questions and the warmup's are the first of one seeded order, so the fewer "
                 "lie among the others (release: its 1,000 warmup questions among its 2,000); before: RL's training "
                 "questions leave out every question of the warmup's records (π was not fine-tuned on them)",
         "choices": ["within", "before"]})
-    warmup_samples: int | None = field(default=None, metadata={"help": "warmup: teacher trajectories per question "
+    warmup_samples: int | None = field(default=None, metadata={"min": 1, "help": "warmup: teacher trajectories per question "
                                                                         "(release 3)"})
     warmup_probe: int | None = field(default=None, metadata={"help": "μ SFT items on which the warmup shows Eq. 7's "
                                                                        "terms before/after"})
-    sft_epochs_pi: int | None = field(default=None, metadata={"help": "warmup π SFT epochs (release 6; the best dev-EM "
+    sft_epochs_pi: int | None = field(default=None, metadata={"min": 1, "help": "warmup π SFT epochs (release 6; the best dev-EM "
                                                                       "epoch is kept)"})
-    sft_epochs_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT epochs (release 10; the last is kept)"})
+    sft_epochs_mu: int | None = field(default=None, metadata={"min": 1, "help": "warmup μ SFT epochs (release 10; the last is kept)"})
     sft_lr_pi: float | None = field(default=None, metadata={"help": "warmup π SFT learning rate (release 1e-5)"})
     sft_lr_mu: float | None = field(default=None, metadata={"help": "warmup μ SFT learning rate (release 5e-5)"})
     sft_head_lr: float | None = field(default=None, metadata={"help": "warmup μ score-head learning rate (release 1e-3)"})
     sft_head_steps: int | None = field(default=None, metadata={
         "help": "warmup: Adam steps fitting μ's score head alone after μ SFT (Eq. 7's score term; release 0)"})
-    sft_batch_pi: int | None = field(default=None, metadata={"help": "warmup π SFT examples per optimizer step (release 64)"})
-    sft_batch_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT steps per optimizer step (release 32)"})
+    sft_batch_pi: int | None = field(default=None, metadata={"min": 1, "help": "warmup π SFT examples per optimizer step (release 64)"})
+    sft_batch_mu: int | None = field(default=None, metadata={"min": 1, "help": "warmup μ SFT steps per optimizer step (release 32)"})
     sft_questions_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT on the trajectories of the first "
                                                                           "this many warmup questions (0 = all; release)"})
 
@@ -720,6 +720,8 @@ def ensure_warmup(args: Args) -> Path:
     for name in need[1:]:                     # μ's folder, when this run needs one
         warmup.check_mu_settings(folder, name, args)
     missing = [n for n in need if not (folder / n / "config.json").is_file()]
+    for name in set(need) - set(missing):
+        check_intact(folder / name)           # a damaged warmup model is named before anything loads
     dp.barrier()                              # every rank has read the folder before rank 0 writes in it
     if missing and dp.main:
         print(f"[arco] {folder} has no {' or '.join(m + '/' for m in missing)}: running the offline oracle "
@@ -930,6 +932,7 @@ def save_checkpoint(folder: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: l
     torch.save({"opt_pi": opt_pi.state_dict(), "opt_mu": opt_mu.state_dict() if opt_mu else None}, tmp / "optim.pt")
     (tmp / "state.json").write_text(json.dumps({"epoch": epoch, "next_batch": next_batch, "history": history},
                                                indent=1))
+    write_manifest(tmp)                       # what it holds, checked by --resume (latest_checkpoint)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     if not next_batch:                        # an epoch's checkpoint supersedes a Ctrl-C one taken before it
@@ -937,14 +940,24 @@ def save_checkpoint(folder: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: l
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The latest finished state: the last epoch checkpoint, or a Ctrl-C checkpoint taken later."""
+    """The latest intact finished state: the last epoch checkpoint, or a Ctrl-C checkpoint taken later. A
+    damaged one (a file cut short or changed since its manifest was written) is named and passed over for
+    the one before it; when every one is damaged, the run stops naming the folder."""
     epochs = sorted(int(p.name.split("_")[1]) for p in ckpt_dir.glob("epoch_*") if not p.name.endswith(".tmp"))
-    last = ckpt_dir / f"epoch_{epochs[-1]}" if epochs else None
+    found = [ckpt_dir / f"epoch_{e}" for e in reversed(epochs)]
     stopped = ckpt_dir / "interrupted"
     if (stopped / "state.json").is_file():
-        if last is None or json.loads((stopped / "state.json").read_text())["epoch"] > epochs[-1]:
-            return stopped
-    return last
+        at = json.loads((stopped / "state.json").read_text())["epoch"]
+        found.insert(sum(e >= at for e in epochs), stopped)     # after the epochs it follows, newest first
+    for folder in found:
+        problem = damaged(folder)
+        if problem is None:
+            return folder
+        print(f"[arco] checkpoint {folder.name} is damaged ({problem}): passing over it", flush=True)
+    if found:
+        raise UsageError(f"--resume: every checkpoint in {ckpt_dir} is damaged (see above); start afresh under "
+                         f"another --name")
+    return None
 
 
 def rewrite_jsonl(path: Path, keep) -> None:
@@ -1155,6 +1168,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(describe_plan(args, args.train_size))
         print(memory_estimate(args)["text"])
         return
+    for name in {args.model, args.mu_model}:        # before any folder: a model that cannot be had here
+        check_model_available(name)
     dp.start(args)
     try:
         run_dir = run(args)
@@ -1166,4 +1181,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_guard(main, env.DataError, ModelLoadError)

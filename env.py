@@ -33,20 +33,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from evaluate import exact_match, f1_score, parse_args, report_predictions
+from evaluate import exact_match, f1_score, main_guard, parse_args, report_predictions
 
 
 @dataclass
 class Args:
     dataset: str = field(default="hotpotqa", metadata={"help": "hotpotqa, 2wiki, musique, synthetic, or all (every file)"})
     split: str = field(default="dev", metadata={"help": "train, dev, or all"})
-    data_dir: str = field(default="", metadata={"help": "folder with <dataset>/<split>.jsonl; else $ARCO_DATA_DIR, else a download"})
+    data_dir: str = field(default="", metadata={"path": "dir", "help": "folder with <dataset>/<split>.jsonl; else $ARCO_DATA_DIR, else a download"})
     size: int = field(default=0, metadata={"help": "sample this many examples (0 = all; synthetic: 200)"})
     seed: int = field(default=0, metadata={"help": "seed of the deterministic sample and of the synthetic generator"})
     retriever: str = field(default="", metadata={"help": "HF encoder id or path; empty = embedded all-MiniLM-L6-v2"})
     retriever_pooling: str = field(default="mean", metadata={"help": "mean (MiniLM) or cls (SimCSE's own pooling)"})
     check_retrieval: bool = field(default=False, metadata={"help": "measure how often a supporting-title query retrieves a supporting paragraph"})
-    predictions: str = field(default="", metadata={"help": 'score this JSONL of {"id": ..., "answer": ...} against '
+    predictions: str = field(default="", metadata={"path": "file", "help": 'score this JSONL of {"id": ..., "answer": ...} against '
                                                            '--dataset/--split (EM, F1, per question type)'})
 
 
@@ -802,8 +802,8 @@ def load_report(datasets: Sequence[str], splits: Sequence[str], data_dir: str | 
     return rows
 
 
-def main() -> None:
-    args = parse_args(Args, description=__doc__)
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(Args, argv, description=__doc__)
     datasets = DATASETS if args.dataset == "all" else [args.dataset]
     splits = ("train", "dev") if args.split == "all" else [args.split]
     try:
@@ -828,4 +828,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_guard(main, DataError)

@@ -27,6 +27,8 @@ This file imports nothing of the project.
 import argparse
 import dataclasses
 import json
+import math
+import os
 import re
 import string
 import sys
@@ -37,6 +39,73 @@ from typing import Any, Iterable, Sequence
 
 
 # --------------------------------------------------------------------------- CLI helper
+class UsageError(SystemExit):
+    """Something the user can fix — a flag, a path, data, a model that cannot be had offline, a damaged run
+    folder. A SystemExit whose code is the message, so that `sys.exit("error: ...")` and this are one kind;
+    main_guard prints either as one `error:` line with exit status 2 (argparse's convention)."""
+
+    def __init__(self, message: str):
+        super().__init__("error: " + message)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):                  # argparse's own errors: one line, no usage block
+        raise UsageError(f"{message} (--help lists the flags)")
+
+
+def check_args(cls: type, args) -> None:
+    """Every flag's valid range, declared next to it in `metadata`: numbers are finite and ≥ 0 unless it says
+    "min" (None: any), "max", "above" (exclusive minimum) or "below" (exclusive maximum); "path": "dir" or
+    "file" must exist when given (a list: each of its values). Raises UsageError naming every bad flag."""
+    hints = typing.get_type_hints(cls)
+    problems = []
+    for f in dataclasses.fields(cls):
+        value, meta, flag = getattr(args, f.name), f.metadata, "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if value is None or kind is bool:
+            continue
+        if kind in (int, float):
+            lo, hi = meta.get("min", 0), meta.get("max")
+            if not math.isfinite(value):
+                problems.append(f"{flag} {value}: must be a finite number")
+            elif lo is not None and value < lo:
+                problems.append(f"{flag} {value}: must be ≥ {lo}")
+            elif hi is not None and value > hi:
+                problems.append(f"{flag} {value}: must be ≤ {hi}")
+            elif "above" in meta and value <= meta["above"]:
+                problems.append(f"{flag} {value}: must be > {meta['above']}")
+            elif "below" in meta and value >= meta["below"]:
+                problems.append(f"{flag} {value}: must be < {meta['below']}")
+        elif meta.get("path"):
+            for v in (value if isinstance(value, list) else [value]):
+                want = os.path.isdir if meta["path"] == "dir" else os.path.isfile
+                if v and not want(os.path.expanduser(v)):
+                    problems.append(f"{flag} {v}: no such {'folder' if meta['path'] == 'dir' else 'file'}")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+def main_guard(main, *errors: type) -> None:
+    """Run a script's main(). What the user can fix — a UsageError, a sys.exit("error: ..."), or one of the
+    script's `errors` (a data error, a model that cannot be loaded) — is printed as one `error:` line with
+    exit status 2; any other exception keeps its traceback (a bug). ARCO_TRACEBACK=1 keeps it for all."""
+    try:
+        try:
+            main()
+        except errors as e:
+            raise UsageError(str(e)) from e
+    except SystemExit as e:
+        if not (isinstance(e.code, str) and e.code.startswith("error:")):
+            raise
+        if os.environ.get("ARCO_TRACEBACK") == "1":
+            import traceback
+            traceback.print_exc()
+        print(" ".join(e.code.split()), file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser(cls: type, description: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one `--field-name` option per field of dataclass `cls`.
 
@@ -46,8 +115,8 @@ def build_parser(cls: type, description: str | None = None) -> argparse.Argument
     may be repeated, its values add up).
     """
     hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(description=description,  # a docstring keeps its layout
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(description=description,  # a docstring keeps its layout
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `X | None` -> X
@@ -74,8 +143,11 @@ def build_parser(cls: type, description: str | None = None) -> argparse.Argument
 
 
 def parse_args(cls: type, argv: Sequence[str] | None = None, description: str | None = None):
-    """Parse the command line (or `argv`) into an instance of dataclass `cls`."""
-    return cls(**vars(build_parser(cls, description).parse_args(argv)))
+    """Parse the command line (or `argv`) into an instance of dataclass `cls`, every value in its range
+    (check_args) before any work starts."""
+    args = cls(**vars(build_parser(cls, description).parse_args(argv)))
+    check_args(cls, args)
+    return args
 
 
 # --------------------------------------------------------------------------- metrics

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import env
-from evaluate import parse_args
+from evaluate import UsageError, main_guard, parse_args
 
 # μ's variants (§3.1, Table 2): adaptive (ARCO), prefix-free (w/o Prefix), static (w/o Adaptive), none (w/o Rubric).
 RUBRIC_MODES = ("adaptive", "prefix-free", "static", "none")
@@ -63,18 +63,18 @@ class Args:
     autocast: str = field(default="auto", metadata={"help": "fp32 weights, bf16 compute under torch.autocast: auto (on "
                                                             "for a CPU with native bf16, see CPU_AUTOCAST_DEFAULT), on, off",
                                                     "choices": ["auto", "on", "off"]})
-    k: int = field(default=3, metadata={"help": "K, the number of criteria per step (RQ4 sweeps 1, 3, 5, 7, 9)"})
+    k: int = field(default=3, metadata={"min": 1, "max": 9, "help": "K, the number of criteria per step (RQ4 sweeps 1, 3, 5, 7, 9)"})
     rubric: str = field(default="adaptive", metadata={"help": "μ variant (RUBRIC_MODES)", "choices": list(RUBRIC_MODES)})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature of the rubric writer (0 = greedy)"})
-    max_new_tokens: int = field(default=128, metadata={"help": "longest rubric, in tokens"})
+    max_new_tokens: int = field(default=128, metadata={"min": 1, "help": "longest rubric, in tokens"})
     seed: int = field(default=0, metadata={"help": "torch seed for sampling and the score head's initialization"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
     benchmark: bool = field(default=False, metadata={"help": "print tokens/s of the passes training needs and exit"})
-    bench_batch: int = field(default=8, metadata={"help": "benchmark: sequences per batch"})
-    bench_tokens: int = field(default=256, metadata={"help": "benchmark: tokens per sequence"})
-    bench_response: int = field(default=64, metadata={"help": "benchmark: response tokens per sequence "
+    bench_batch: int = field(default=8, metadata={"min": 1, "help": "benchmark: sequences per batch"})
+    bench_tokens: int = field(default=256, metadata={"min": 2, "help": "benchmark: tokens per sequence"})
+    bench_response: int = field(default=64, metadata={"min": 1, "help": "benchmark: response tokens per sequence "
                                                               "(the positions sequence_logprobs scores)"})
-    bench_repeats: int = field(default=2, metadata={"help": "benchmark: timed repeats of each pass (after one warm-up)"})
+    bench_repeats: int = field(default=2, metadata={"min": 1, "help": "benchmark: timed repeats of each pass (after one warm-up)"})
     parse_rate: int = field(default=0, metadata={"help": "measure on N synthetic dev examples how often the untrained μ "
                                                          "writes parseable K-criteria JSON, then exit (0 = off)"})
 
@@ -319,6 +319,26 @@ def check_supported(model: nn.Module, name: str) -> None:
         raise ModelLoadError(f"model {name!r} has sliding-window attention layers, which the growing KV "
                              f"cache of decode and the packed passes do not implement; use a model with "
                              f"full attention in every layer (as Qwen3-4B-Instruct-2507, SmolLM2, Llama 3)")
+
+
+def check_model_available(name: str) -> None:
+    """Before any work: can `name` be loaded here? The embedded model, a random:<shape>, a local folder, the HF
+    cache, or a reachable hub; else the ModelLoadError load_backbone would raise only after the run started."""
+    if name == EMBEDDED or Path(name).expanduser().is_dir():
+        return
+    if name.startswith(RANDOM):
+        model_shape(name)                      # raises for an unknown shape
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except (ImportError, ValueError):
+        pass
+    if not _hub_reachable():
+        raise ModelLoadError(f"model {name!r} is not a local folder, not in the HF cache, and the hub cannot be "
+                             f"reached (offline?). Use the embedded default (--model {EMBEDDED}), a local folder, or "
+                             f"download it on a machine with network access first.")
 
 
 def load_backbone(name: str = EMBEDDED, device: str = "auto", dtype: str = "auto",
@@ -1450,6 +1470,7 @@ class RubricModel:
         path = save_backbone(self.backbone, path, extra={"rubric_model": self.config()})
         save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()},
                   str(path / "score_head.safetensors"))
+        write_manifest(path)                     # again, with the head
         return path
 
     @classmethod
@@ -1468,6 +1489,55 @@ class RubricModel:
 
 
 CHECKPOINT_FORMAT = 1
+MANIFEST = "manifest.json"
+
+
+def write_manifest(folder: Path) -> None:
+    """Record what a saved folder holds — every file's size and SHA-256 — so that a file cut short or changed
+    later (a full disk, a killed copy) is found before it is loaded (damaged)."""
+    folder = Path(folder)
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    (folder / MANIFEST).write_text(json.dumps(files, indent=1) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def damaged(folder: Path) -> str | None:
+    """What is wrong with a saved folder against its manifest (the first missing, cut-short or changed file),
+    or None when it is intact. A folder saved before manifests existed has none and counts as intact."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        return None if (folder / "config.json").is_file() or (folder / "state.json").is_file() \
+            else f"{folder} has no config.json"
+    try:
+        files = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"{folder / MANIFEST} is unreadable"
+    for name, want in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{path} has {path.stat().st_size} bytes, {want['bytes']} were written"
+        if _sha256(path) != want["sha256"]:
+            return f"{path} differs from what was written (checksum)"
+    return None
+
+
+def check_intact(folder: Path) -> None:
+    """Stop with one line naming the damaged file, before anything is loaded from `folder`."""
+    problem = damaged(folder)
+    if problem:
+        raise UsageError(f"damaged checkpoint: {problem}. Delete {folder} to make it again "
+                         f"(or --resume a run: it falls back to its newest intact checkpoint)")
 
 
 def save_backbone(bb: Backbone, path: str | os.PathLike, extra: dict | None = None) -> Path:
@@ -1503,6 +1573,7 @@ def save_backbone(bb: Backbone, path: str | os.PathLike, extra: dict | None = No
     config = {"format": CHECKPOINT_FORMAT, "base_model": bb.name, "merged_adapters": len(bb.merged),
               "adapter": adapter, **(extra or {})}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_manifest(path)
     return path
 
 
@@ -1515,6 +1586,7 @@ def load_backbone_checkpoint(path: str | os.PathLike, device: str = "auto", dtyp
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no checkpoint at {path} (missing config.json)")
+    check_intact(path)
     config = json.loads(config_file.read_text())
     if config.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{config_file}: unknown checkpoint format {config.get('format')!r}")
@@ -1792,4 +1864,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_guard(main, env.DataError, ModelLoadError)

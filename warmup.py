@@ -48,24 +48,24 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 import env
-from evaluate import normalize_answer, parse_args
-from rubric_model import (RUBRIC_MODES, RubricModel, SharedPrefix, StepContext, add_lora, chat_prompt_ids,
-                          encode_response, load_backbone, merge_lora, packed_steps, policy_act, save_backbone,
-                          trainable_parameters)
+from evaluate import main_guard, normalize_answer, parse_args
+from rubric_model import (RUBRIC_MODES, ModelLoadError, RubricModel, SharedPrefix, StepContext, add_lora,
+                          chat_prompt_ids, check_model_available, encode_response, load_backbone, merge_lora,
+                          packed_steps, policy_act, save_backbone, trainable_parameters, write_atomically)
 
 
 @dataclass
 class Args:
     dataset: str = field(default="hotpotqa", metadata={
         "help": "hotpotqa, 2wiki, musique or synthetic (--check-gold also takes all)"})
-    data_dir: str = field(default="", metadata={
+    data_dir: str = field(default="", metadata={"path": "dir", 
         "help": "folder with <dataset>/<split>.jsonl; else $ARCO_DATA_DIR, else a download"})
     split: str = field(default="train", metadata={
         "help": "split the warmup questions come from (with --check-gold: the split measured)"})
-    warmup_size: int = field(default=2000, metadata={
+    warmup_size: int = field(default=2000, metadata={"min": 1, 
         "help": "number of warmup questions, a deterministic sample of the training split (paper: 2,000; 0 = all)"})
     seed: int = field(default=0, metadata={"help": "seed of the question sample and of the oracle's imperfect trajectories"})
-    warmup_samples: int = field(default=4, metadata={"help": "trajectories sampled per question (oracle: sample 0 is the gold one)"})
+    warmup_samples: int = field(default=4, metadata={"min": 1, "help": "trajectories sampled per question (oracle: sample 0 is the gold one)"})
     temperature: float = field(default=1.0, metadata={
         "help": "sampling temperature of the API policy (release: 1.0, configs/hotpotqa/hotpotqa.yaml)"})
     teacher: str = field(default="oracle", metadata={
@@ -75,25 +75,25 @@ class Args:
         "help": "API model that acts as the policy (paper: gpt-4o-mini)"})
     teacher_rubric_model: str = field(default="gpt-4o-mini", metadata={
         "help": "API model that annotates whole trajectories with criteria and scores"})
-    k: int = field(default=3, metadata={"help": "criteria (and scores) per step (paper: 3)"})
+    k: int = field(default=3, metadata={"min": 1, "max": 9, "help": "criteria (and scores) per step (paper: 3)"})
     out_dir: str = field(default="", metadata={"help": "output folder; empty = runs/<dataset>/warmup"})
     max_retries: int = field(default=5, metadata={
         "help": "retries of an API call on HTTP 408/409/429/5xx, timeouts and connection errors"})
     backoff: float = field(default=1.0, metadata={
         "help": "seconds before the first retry, doubled at each further one (at most 60)"})
-    timeout: float = field(default=60.0, metadata={"help": "seconds before an API call is abandoned (and retried)"})
-    concurrency: int = field(default=8, metadata={"help": "questions in flight at once with the API teacher"})
-    policy_max_tokens: int = field(default=128, metadata={"help": "max new tokens of one API policy reply"})
-    rubric_max_tokens: int = field(default=2048, metadata={"help": "max new tokens of one trajectory annotation"})
+    timeout: float = field(default=60.0, metadata={"above": 0, "help": "seconds before an API call is abandoned (and retried)"})
+    concurrency: int = field(default=8, metadata={"min": 1, "help": "questions in flight at once with the API teacher"})
+    policy_max_tokens: int = field(default=128, metadata={"min": 1, "help": "max new tokens of one API policy reply"})
+    rubric_max_tokens: int = field(default=2048, metadata={"min": 1, "help": "max new tokens of one trajectory annotation"})
     price_input: float = field(default=0.15, metadata={
         "help": "USD per 1M prompt tokens, for the cost counter (default: gpt-4o-mini's list price)"})
     price_output: float = field(default=0.60, metadata={
         "help": "USD per 1M completion tokens, for the cost counter (default: gpt-4o-mini's list price)"})
-    min_reward: float = field(default=1.0, metadata={"help": "π SFT uses trajectories with R >= this (paper: 1.0)"})
+    min_reward: float = field(default=1.0, metadata={"max": 1, "help": "π SFT uses trajectories with R >= this (paper: 1.0)"})
     require_evidence: bool = field(default=True, metadata={
         "help": "π SFT also requires every supporting paragraph to have been retrieved (no lucky guesses); "
                 "--no-require-evidence gives the paper's reward-only filter"})
-    tol: float = field(default=1e-6, metadata={"help": "tolerance of the decomposition constraint (Eq. 6) when filtering"})
+    tol: float = field(default=1e-6, metadata={"above": 0, "help": "tolerance of the decomposition constraint (Eq. 6) when filtering"})
     retriever: str = field(default="", metadata={"help": "HF encoder id or path; empty = embedded all-MiniLM-L6-v2"})
     retriever_pooling: str = field(default="mean", metadata={"help": "mean (MiniLM) or cls (SimCSE)"})
     obs_chars: int = field(default=400, metadata={"help": "observation length in characters (as in env.rollout)"})
@@ -114,30 +114,30 @@ class Args:
     autocast: str = field(default="auto", metadata={"help": "bf16 compute over float32 weights: auto (on for a CPU with "
                                                             "native bf16), on, off; bf16 weights need none",
                                                     "choices": ["auto", "on", "off"]})
-    sft_epochs_pi: int = field(default=6, metadata={"help": "π SFT epochs (release: 6)"})
-    sft_epochs_mu: int = field(default=10, metadata={"help": "μ SFT epochs (release: 10)"})
+    sft_epochs_pi: int = field(default=6, metadata={"min": 1, "help": "π SFT epochs (release: 6)"})
+    sft_epochs_mu: int = field(default=10, metadata={"min": 1, "help": "μ SFT epochs (release: 10)"})
     sft_lr_pi: float = field(default=1e-5, metadata={"help": "π SFT LoRA learning rate (release: 1e-5)"})
     sft_lr_mu: float = field(default=5e-5, metadata={"help": "μ SFT LoRA learning rate (release: 5e-5)"})
     sft_head_lr: float = field(default=1e-3, metadata={"help": "μ SFT score-head learning rate (release: 1e-3)"})
     sft_head_steps: int = field(default=0, metadata={
         "help": "after μ SFT, Adam steps on Eq. 7's score term over the score head alone, backbone fixed (0 = release)"})
     score_weight: float = field(default=10.0, metadata={"help": "λ of Eq. 7, the criterion-score loss weight (release: 10)"})
-    sft_batch_pi: int = field(default=64, metadata={"help": "π SFT examples per optimizer step (release: 64)"})
-    sft_batch_mu: int = field(default=32, metadata={"help": "μ SFT steps per optimizer step (release: 32)"})
+    sft_batch_pi: int = field(default=64, metadata={"min": 1, "help": "π SFT examples per optimizer step (release: 64)"})
+    sft_batch_mu: int = field(default=32, metadata={"min": 1, "help": "μ SFT steps per optimizer step (release: 32)"})
     sft_questions_mu: int = field(default=0, metadata={
         "help": "μ SFT uses the trajectories of the first this many warmup questions (0 = all; release: all)"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay of both SFTs (release: 0.01)"})
     token_reduction: str = field(default="mean", metadata={
         "help": "Eq. 7: mean over tokens (and over the K scores; release) or sum (the paper's form)",
         "choices": ["mean", "sum"]})
-    micro_batch: int = field(default=4, metadata={"help": "sequences per forward pass (gradients are accumulated)"})
-    max_new_tokens_pi: int = field(default=64, metadata={"help": "π's max new tokens per action in the dev evaluation"})
-    eval_size: int = field(default=500, metadata={"help": "dev questions for the base / SFT-only evaluation and π SFT's "
+    micro_batch: int = field(default=4, metadata={"min": 1, "help": "sequences per forward pass (gradients are accumulated)"})
+    max_new_tokens_pi: int = field(default=64, metadata={"min": 1, "help": "π's max new tokens per action in the dev evaluation"})
+    eval_size: int = field(default=500, metadata={"min": 1, "help": "dev questions for the base / SFT-only evaluation and π SFT's "
                                                           "choice of epoch (paper: 500)"})
     warmup_probe: int = field(default=32, metadata={"help": "μ SFT items on which Eq. 7's two terms are shown before/after"})
     train_mu: bool = field(default=True, metadata={"help": "also train μ (arco.py's outcome baseline needs only π)"})
-    gen_batch: int = field(default=16, metadata={"help": "prompts per generation batch in the dev evaluation"})
-    mu_examples: int = field(default=0, metadata={
+    gen_batch: int = field(default=16, metadata={"min": 1, "help": "prompts per generation batch in the dev evaluation"})
+    mu_examples: int = field(default=0, metadata={"max": 2, 
         "help": "worked examples in μ's rubric prompt (0-2); each costs ~200 tokens per step, and the SFT "
                 "teaches the format, so none by default", "choices": [0, 1, 2]})
 
@@ -1381,7 +1381,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         metrics["pi_sft_loss_per_epoch"] = sft["losses"]
         metrics["pi_sft_dev_em_per_epoch"] = [e["em"] for e in sft["evals"]]
         metrics["pi_sft_epoch"] = sft["best"]["epoch"]
-        save_backbone(pi, out_dir / "pi_sft")
+        write_atomically(out_dir / "pi_sft", lambda tmp: save_backbone(pi, tmp))   # a kill leaves none
         # The chosen epoch's evaluation is the SFT-only row (greedy: the merged weights decode the same).
         metrics["sft_only"], trajs = sft["best"]["scores"], sft["best"]["trajectories"]
         # What arco.py needs to take this evaluation as its epoch 0 instead of repeating it.
@@ -1415,7 +1415,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     if args.sft_head_steps:
         m["mu_head_fit_error"] = fit_score_head(mu, mu_items, args.sft_head_steps, args.sft_head_lr)
     m["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
-    mu.save(out_dir / name)
+    write_atomically(out_dir / name, mu.save)                                 # a kill leaves none
     metrics.update(m)                 # the last μ trained, also at the top level (as before variants)
     env.write_json(out_dir / "metrics.json", metrics)
     return metrics
@@ -1564,6 +1564,9 @@ def run_from_arco(a, out_dir: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(Args, argv, description=__doc__)
+    if not args.check_gold:
+        for name in {args.model, args.mu_model or args.model}:      # before any folder
+            check_model_available(name)
     try:
         if args.check_gold:
             check_gold(args)
@@ -1574,4 +1577,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_guard(main, env.DataError, ModelLoadError)

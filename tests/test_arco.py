@@ -512,3 +512,38 @@ def test_whole_loop_on_the_embedded_model_and_real_hotpotqa(tmp_path, data_dir):
     assert "## Sample training trajectories (epoch 2)" in (run / "report.md").read_text()
     # Issue 14: the same numbers as the code before the redesign's moves (commit 05a8185)
     assert_same_numbers(numbers(rows), "e2e_before.json")
+
+
+def cut_short(path):
+    """A file cut short, as a full disk or a killed copy leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def test_a_damaged_checkpoint_is_named_and_the_run_resumes_from_the_previous_intact_one(tiny_run, tiny_dir, capsys):
+    """The latest checkpoint's weights cut short: --resume names the file and redoes epoch 2 from epoch 1's
+    checkpoint, ending where the run ended; every checkpoint cut short: one error naming the folder."""
+    import shutil
+    ref = tiny_run / "synthetic" / "arco"
+    run = tiny_run / "synthetic" / "damaged"
+    shutil.copytree(ref, run)
+    warm = tiny_run / "synthetic" / "warmup"
+    cut_short(run / "checkpoints" / "epoch_2" / "pi" / "adapter" / "adapter_model.safetensors")
+    arco.main(tiny_args(tiny_dir, tiny_run, name="damaged", warmup_dir=warm, resume=True))
+    out = capsys.readouterr().out
+    assert "checkpoint epoch_2 is damaged" in out and "adapter_model.safetensors has" in out
+    assert "resuming" in out and "at epoch 2, batch 0" in out
+    assert evals(run) == evals(ref) and updates(run) == updates(ref)
+    for epoch in (1, 2):
+        cut_short(run / "checkpoints" / f"epoch_{epoch}" / "optim.pt")
+    with pytest.raises(SystemExit, match=r"every checkpoint in .*damaged/checkpoints is damaged"):
+        arco.main(tiny_args(tiny_dir, tiny_run, name="damaged", warmup_dir=warm, resume=True))
+
+
+def test_a_damaged_warmup_model_is_named_before_anything_loads(tiny_run, tiny_dir):
+    import shutil
+    warm = tiny_run / "synthetic" / "warmup-damaged"
+    shutil.copytree(tiny_run / "synthetic" / "warmup", warm)
+    cut_short(warm / "mu_sft" / "score_head.safetensors")
+    with pytest.raises(SystemExit, match=r"damaged checkpoint: .*mu_sft/score_head.safetensors has \d+ bytes"):
+        arco.main(tiny_args(tiny_dir, tiny_run, name="warm-damaged", warmup_dir=warm))
