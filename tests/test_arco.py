@@ -547,3 +547,40 @@ def test_a_damaged_warmup_model_is_named_before_anything_loads(tiny_run, tiny_di
     cut_short(warm / "mu_sft" / "score_head.safetensors")
     with pytest.raises(SystemExit, match=r"damaged checkpoint: .*mu_sft/score_head.safetensors has \d+ bytes"):
         arco.main(tiny_args(tiny_dir, tiny_run, name="warm-damaged", warmup_dir=warm))
+
+
+def test_the_reward_is_exact_match_not_a_partial_overlap():
+    """R(τ) = EM (Alg. 1, line 23): "Lee" against the gold "Ann Lee" overlaps (F1 2/3 > 0.5) but R = 0, in
+    env.answer_reward and at the end of a rollout; the full name gets R = 1."""
+    from evaluate import f1_score
+    assert f1_score("Lee", "Ann Lee") > 0.5 and env.answer_reward("Lee", ["Ann Lee"]) == 0.0
+    assert env.answer_reward("ann lee", ["Ann Lee"]) == 1.0
+    examples = env.synthetic_examples(2, split="dev")
+    for ex in examples:
+        ex.answers = ["Ann Lee"]
+    answers = iter(["Finish[Lee]", "Finish[Ann Lee]"])
+    trajs = env.rollout(examples, lambda prompts: [next(answers) for _ in prompts], TitleRetriever())
+    assert [t.reward for t in trajs] == [0.0, 1.0]
+
+
+def test_rubric_update_pools_the_mean_of_each_sequences_hidden_states(tiny_dir):
+    """The vectors Eq. 5's score head reads in rubric_update (packed passes, a shared prefix) are mean_pool of
+    each full scoring sequence's last hidden states, as a plain pass computes them — not a rescaled mean (the
+    head's LayerNorm would hide a uniform rescaling from every loss-level test)."""
+    bb = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
+    perturb_lora(bb)
+    mu = rm.RubricModel(bb, k=3, examples=0)
+    trajs = scripted_batch()
+    contexts = [c for t in trajs for c in rm.contexts_from_trajectory(t)]
+    rubrics = [mu.rubric_from_criteria([f"criterion {i}", "b", "c"]) for i in range(len(contexts))]
+    seen = []
+    hook = mu.head.register_forward_pre_hook(lambda module, inp: seen.append(inp[0].detach().clone()))
+    for pass_tokens in (10 ** 6, 1):                   # one packed pass; every step its own (checkpointed) part
+        seen.clear()
+        arco.rubric_update(mu, torch.optim.SGD(mu.parameter_groups(0.0, 0.0), lr=0.0), trajs, contexts, rubrics,
+                           arco.resolve_args(arco.Args(pass_tokens=pass_tokens)))
+        pooled = torch.cat(seen)                        # the head runs once per pass, outside the checkpointing
+        with torch.no_grad():
+            plain = mu.pooled(contexts, rubrics)        # right-padded pass, rm.mean_pool over the real tokens
+        assert pooled.shape == plain.shape and torch.allclose(pooled, plain, atol=1e-5)
+    hook.remove()
