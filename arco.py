@@ -821,8 +821,13 @@ def open_run(args: Args) -> tuple[Path, Path | None]:
         sys.exit(f"error: {run_dir} already holds a run: pass --resume to continue it, or --name for a new one")
     last = latest_checkpoint(ckpt_dir) if args.resume else None
     if args.resume and last is None:
-        sys.exit(f"error: --resume: {ckpt_dir} holds no finished epoch or Ctrl-C checkpoint to continue from; "
-                 f"check --name / --out-dir, or start afresh under another --name")
+        if not (run_dir / "args.json").is_file():
+            sys.exit(f"error: --resume: there is no run at {run_dir} to continue; check --name / --out-dir")
+        if dp.main:                           # killed before its first checkpoint: the run starts again
+            print(f"[arco] --resume: {ckpt_dir} holds no checkpoint yet: starting the run again from its "
+                  f"beginning (the warmup keeps what it finished)", flush=True)
+            rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: False)
+            shutil.rmtree(run_dir / "traces", ignore_errors=True)
     dp.barrier()                              # every rank has checked before rank 0 writes anything
     if dp.main:
         run_dir.mkdir(parents=True, exist_ok=True)
