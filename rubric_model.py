@@ -1779,12 +1779,15 @@ def _token_bytes(c: dict, b: int) -> dict:
     through every layer (weights frozen, LoRA on q and v, SDPA attention). Per layer, counted from what
     autograd saves in a Llama/Qwen3 block: the two RMSNorms' float32 inputs (2 × 4h), the LoRA inputs and
     dropout masks (2 × (b + 1) h), SDPA's q, k, v (KV heads repeated) and output (4 q b), Qwen3's q/k norms in
-    float32 (4 (q + kv)), the MLP's gate, SiLU and up outputs (3 i b)."""
+    float32 (4 (q + kv)), the MLP's gate, SiLU and up outputs (3 i b). Per response token, the float32 logits
+    of the LM head and what the log-probs and the KL keep (logits, log-softmax, its exp, the difference to
+    the reference's, the reference's own: 5 × 4V). Per packed row of L tokens, each layer also keeps the
+    [L, L] tree mask in the weights' dtype (the `mask` entry: × L²)."""
     h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     hd = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     layer = 8 * h + 2 * (b + 1) * h + 4 * q * b + 3 * i * b + (4 * (q + kv) if c.get("model_type") == "qwen3" else 0)
-    return {"kv": L * 2 * kv * b, "activations": L * layer, "logits": 3 * 4 * c["vocab_size"]}
+    return {"kv": L * 2 * kv * b, "activations": L * layer, "logits": 5 * 4 * c["vocab_size"], "mask": L * b}
 
 
 def memory_estimate(args) -> dict:
@@ -1818,7 +1821,7 @@ def memory_estimate(args) -> dict:
         rows["rollout KV cache"] = max(rows["rollout KV cache"], args.gen_batch * (context + new) * per["kv"])
         response = args.pass_tokens * new / (context + new)              # LM-head rows of one pass (log-probs, KL)
         rows["training pass"] = max(rows["training pass"], args.pass_tokens * per["activations"]
-                                    + response * per["logits"])
+                                    + response * per["logits"] + args.pass_tokens ** 2 * per["mask"])
     peak = (rows["weights"] + rows["lora + AdamW"] + max(rows["rollout KV cache"], rows["training pass"])) / GIB \
         + RUNTIME_GIB
     budget = getattr(args, "gpu_memory", 80)

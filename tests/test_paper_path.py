@@ -91,25 +91,31 @@ def test_a_random_model_of_a_public_shape_has_its_size_and_the_same_weights_each
 
 
 def test_activation_bytes_per_token_match_what_autograd_saves(tiny_qwen3_dir, tiny_dir):
-    """_token_bytes' activation count per token, against the bytes autograd actually keeps for the backward of
-    one LoRA training pass (saved_tensors_hooks, each storage counted once), on both tiny architectures in
-    float32 and bf16: within 25% (the count leaves out what is per sequence, not per token)."""
+    """_token_bytes' count, against the bytes autograd actually keeps for the backward of one packed LoRA
+    training pass (saved_tensors_hooks; each storage once; the frozen weights it saves for the input
+    gradients are no extra memory and are left out), on both tiny architectures in float32 and bf16: per
+    token, per row's tree mask, per response token's logits — within 25%."""
     for folder in (tiny_dir, tiny_qwen3_dir):
         for dtype in ("float32", "bfloat16"):
             bb = rm.add_lora(rm.load_backbone(str(folder), device="cpu", dtype=dtype, autocast="off"))
             bb.model.train()
-            n = 256
-            ids = torch.randint(100, 1000, (1, n))
+            weights = {p.untyped_storage().data_ptr() for p in bb.model.parameters()}
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(100, 1000, (384,), generator=g).tolist()
+            seqs, lens = [ids[:256] + ids[256:320], ids[:256] + ids[320:]], [8, 8]      # one packed row of 384
+            ref = rm.reference_logq(bb, seqs, lens)
             seen = {}
 
             def pack(t):
-                seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+                if t.untyped_storage().data_ptr() not in weights:
+                    seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
                 return t
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                rm.last_hidden_states(bb, ids, torch.ones_like(ids))
-            b = 4 if dtype == "float32" else 2
-            estimate = rm._token_bytes(bb.model.config.to_dict(), b)["activations"] * n
-            assert estimate == pytest.approx(sum(seen.values()), rel=0.25), (folder.name, dtype)
+                rm.packed_steps(bb, seqs, lens, None, ref)
+            per = rm._token_bytes(bb.model.config.to_dict(), 4 if dtype == "float32" else 2)
+            estimate = 384 * per["activations"] + 384 ** 2 * per["mask"] + sum(lens) * per["logits"]
+            assert estimate == pytest.approx(sum(seen.values()) + sum(r.numel() * 4 for r in ref), rel=0.25), \
+                (folder.name, dtype, estimate, sum(seen.values()))
 
 
 def test_dry_run_prints_the_paper_presets_memory_without_any_download(capsys):
