@@ -1819,7 +1819,9 @@ def memory_estimate(args) -> dict:
         per = _token_bytes(c, b)
         new = args.max_new_tokens_pi if who == "π" else args.max_new_tokens_mu
         rows["rollout KV cache"] = max(rows["rollout KV cache"], args.gen_batch * (context + new) * per["kv"])
-        response = args.pass_tokens * new / (context + new)              # LM-head rows of one pass (log-probs, KL)
+        # LM-head rows of one pass (log-probs, KL): a packed row holds each step's new tokens only (its
+        # observation and action, then its reply), the shared history once, so replies fill a good part of it
+        response = args.pass_tokens * new / (new + obs + 30)
         rows["training pass"] = max(rows["training pass"], args.pass_tokens * per["activations"]
                                     + response * per["logits"] + args.pass_tokens ** 2 * per["mask"])
     peak = (rows["weights"] + rows["lora + AdamW"] + max(rows["rollout KV cache"], rows["training pass"])) / GIB \
