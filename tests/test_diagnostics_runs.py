@@ -21,6 +21,7 @@ import diagnostics as dg
 import rubric_model as rm
 import warmup
 from conftest import ChatServer
+from evaluate import main_guard
 from test_arco import tiny_args
 
 
@@ -47,8 +48,9 @@ def evals_of(run):
 
 
 def main(argv):
+    """diagnostics.py as its command line runs it (main_guard: one-line errors exit 2); its exit status."""
     try:
-        dg.main([str(a) for a in argv])
+        main_guard(lambda: dg.main([str(a) for a in argv]), env.DataError, rm.ModelLoadError)
     except SystemExit as e:
         return e.code
     return 0

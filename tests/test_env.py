@@ -390,21 +390,21 @@ def run_cli(*argv, **kw):
 
 def test_cli_errors(tmp_path):
     r = run_cli("--dataset", "squad")
-    assert r.returncode == 1 and r.stderr.strip() == (
+    assert r.returncode == 2 and r.stderr.strip() == (
         "error: unknown dataset 'squad': choose one of hotpotqa, 2wiki, musique, synthetic")
     rows = [HOTPOT, HOTPOT]
     write_jsonl(tmp_path / "hotpotqa" / "dev.jsonl", rows)
     with open(tmp_path / "hotpotqa" / "dev.jsonl", "a") as f:
         f.write('{"_id": "broken", "question": \n')
     r = run_cli("--dataset", "hotpotqa", "--data-dir", str(tmp_path))
-    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().startswith(f"error: {tmp_path / 'hotpotqa' / 'dev.jsonl'}:3: not valid JSON")
     write_jsonl(tmp_path / "2wiki" / "dev.jsonl", [{k: v for k, v in TWOWIKI.items() if k != "question"}])
     r = run_cli("--dataset", "2wiki", "--data-dir", str(tmp_path))
     assert r.stderr.strip() == f"error: {tmp_path / '2wiki' / 'dev.jsonl'}:1: missing field 'question'"
     r = run_cli("--dataset", "musique", "--data-dir", str(tmp_path), ARCO_OFFLINE="1",
                 ARCO_CACHE=str(tmp_path / "c"), ARCO_DATA_DIR="")
-    assert r.returncode == 1 and r.stderr.startswith("error: no musique dev data") and "Traceback" not in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("error: no musique dev data") and "Traceback" not in r.stderr
 
 
 def test_the_one_jsonl_reader_and_writer(tmp_path, monkeypatch):
