@@ -276,14 +276,26 @@ def model_shape(name: str) -> dict | None:
     folder = embedded_checkpoint() if name == EMBEDDED else Path(name).expanduser()
     if (folder / "config.json").is_file():
         return json.loads((folder / "config.json").read_text())
+    cached = _cached_config(name)
+    if cached:
+        return json.loads(Path(cached).read_text())
+    return dict(SHAPES[HUB_SHAPES[name]]) if name in HUB_SHAPES else None
+
+
+def _cached_config(name: str) -> str | None:
+    """The path of a hub id's config.json in the local HF cache, or None (no network)."""
     try:
         from huggingface_hub import try_to_load_from_cache
         cached = try_to_load_from_cache(name, "config.json")
-        if isinstance(cached, str):
-            return json.loads(Path(cached).read_text())
     except (ImportError, ValueError):
-        pass
-    return dict(SHAPES[HUB_SHAPES[name]]) if name in HUB_SHAPES else None
+        return None
+    return cached if isinstance(cached, str) else None
+
+
+def _offline_error(name: str) -> ModelLoadError:
+    return ModelLoadError(f"model {name!r} is not a local folder, not in the HF cache, and the hub cannot be reached "
+                          f"(offline?). Use the embedded default (--model {EMBEDDED}), a local folder, or download it "
+                          f"on a machine with network access first.")
 
 
 def random_model(name: str, dtype: torch.dtype, device: torch.device):
@@ -329,16 +341,8 @@ def check_model_available(name: str) -> None:
     if name.startswith(RANDOM):
         model_shape(name)                      # raises for an unknown shape
         return
-    try:
-        from huggingface_hub import try_to_load_from_cache
-        if isinstance(try_to_load_from_cache(name, "config.json"), str):
-            return
-    except (ImportError, ValueError):
-        pass
-    if not _hub_reachable():
-        raise ModelLoadError(f"model {name!r} is not a local folder, not in the HF cache, and the hub cannot be "
-                             f"reached (offline?). Use the embedded default (--model {EMBEDDED}), a local folder, or "
-                             f"download it on a machine with network access first.")
+    if not _cached_config(name) and not _hub_reachable():
+        raise _offline_error(name)
 
 
 def load_backbone(name: str = EMBEDDED, device: str = "auto", dtype: str = "auto",
@@ -361,10 +365,7 @@ def load_backbone(name: str = EMBEDDED, device: str = "auto", dtype: str = "auto
             model, tokenizer = _from_pretrained(name, weights, local_files_only=True)
         except (OSError, ValueError):
             if not _hub_reachable():
-                raise ModelLoadError(
-                    f"model {name!r} is not a local folder, not in the HF cache, and the hub cannot be reached "
-                    f"(offline?). Use the embedded default (--model {EMBEDDED}), a local folder, or download "
-                    f"it on a machine with network access first.") from None
+                raise _offline_error(name) from None
             try:
                 model, tokenizer = _from_pretrained(name, weights)
             except (OSError, ValueError) as e:
@@ -1766,10 +1767,15 @@ RUNTIME_GIB = 1.0            # the process before any model: torch, transformers
                              # the CUDA context and allocator slack on a GPU. Calibrated in RESULTS ("memory")
 
 
+def _attention_widths(c: dict) -> tuple[int, int, int]:
+    """head_dim, the query width (heads × head_dim) and the key/value width (KV heads × head_dim) of a config."""
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return hd, c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+
+
 def _parameters(c: dict) -> int:
     h, i, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
-    hd = c.get("head_dim") or h // c["num_attention_heads"]
-    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    hd, q, kv = _attention_widths(c)
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (2 * hd if c.get("model_type") == "qwen3" else 0)
     return L * per_layer + v * h * (1 if c.get("tie_word_embeddings", True) else 2) + h
 
@@ -1784,8 +1790,7 @@ def _token_bytes(c: dict, b: int) -> dict:
     the reference's, the reference's own: 5 × 4V). Per packed row of L tokens, each layer also keeps the
     [L, L] tree mask in the weights' dtype (the `mask` entry: × L²)."""
     h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-    hd = c.get("head_dim") or h // c["num_attention_heads"]
-    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    _, q, kv = _attention_widths(c)
     layer = 8 * h + 2 * (b + 1) * h + 4 * q * b + 3 * i * b + (4 * (q + kv) if c.get("model_type") == "qwen3" else 0)
     return {"kv": L * 2 * kv * b, "activations": L * layer, "logits": 5 * 4 * c["vocab_size"], "mask": L * b}
 
