@@ -61,9 +61,9 @@ import env
 import warmup
 from evaluate import UsageError, main_guard, parse_args
 from rubric_model import (RUBRIC_MODES, ModelLoadError, RubricModel, SharedPrefix, add_lora, chat_prompt_ids,
-                          check_intact, check_model_available, contexts_from_trajectory, damaged, encode_response, load_backbone_checkpoint, merge_lora,
-                          memory_estimate, packed_steps, policy_act, reference, reference_logq, save_backbone,
-                          token_passes, trainable_parameters, write_manifest)
+                          check_intact, check_model_available, contexts_from_trajectory, damaged, encode_response,
+                          load_backbone_checkpoint, merge_lora, memory_estimate, packed_steps, policy_act, reference,
+                          reference_logq, save_backbone, token_passes, trainable_parameters, write_manifest)
 from warmup import dev_rank, mu_dir_name
 
 

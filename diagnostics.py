@@ -71,7 +71,7 @@ from evaluate import exact_match, f1_score, format_table, main_guard, parse_args
 
 @dataclass
 class Args:
-    run: list[str] | None = field(default=None, metadata={"path": "dir", 
+    run: list[str] | None = field(default=None, metadata={"path": "dir",
         "help": "a run folder runs/<dataset>/<name>; repeat (--run A --run B) or list several to compare them; "
                 "the outputs go into the first"})
     split: str = field(default="dev", metadata={"help": "dataset split to compare the runs on"})
@@ -90,9 +90,9 @@ class Args:
     # diagnostics of μ
     diagnose: bool = field(default=False, metadata={
         "help": "also diagnose μ of the first --run (an ARCO run): credit assignment, μ as a judge, RQ3, RQ4, plots"})
-    heldout_questions: int = field(default=10, metadata={"min": 1, 
+    heldout_questions: int = field(default=10, metadata={"min": 1,
         "help": "--diagnose: dev questions of the held-out oracle trajectories with known step labels"})
-    heldout_samples: int = field(default=2, metadata={"min": 1, 
+    heldout_samples: int = field(default=2, metadata={"min": 1,
         "help": "--diagnose: oracle trajectories per held-out question (sample 0 gold, then imperfect variants)"})
     seed: int = field(default=0, metadata={
         "help": "--diagnose: seed of the held-out set, the untrained μ's score head and the Bind items"})

@@ -58,11 +58,11 @@ from rubric_model import (RUBRIC_MODES, ModelLoadError, RubricModel, SharedPrefi
 class Args:
     dataset: str = field(default="hotpotqa", metadata={
         "help": "hotpotqa, 2wiki, musique or synthetic (--check-gold also takes all)"})
-    data_dir: str = field(default="", metadata={"path": "dir", 
+    data_dir: str = field(default="", metadata={"path": "dir",
         "help": "folder with <dataset>/<split>.jsonl; else $ARCO_DATA_DIR, else a download"})
     split: str = field(default="train", metadata={
         "help": "split the warmup questions come from (with --check-gold: the split measured)"})
-    warmup_size: int = field(default=2000, metadata={"min": 1, 
+    warmup_size: int = field(default=2000, metadata={"min": 1,
         "help": "number of warmup questions, a deterministic sample of the training split (paper: 2,000; 0 = all)"})
     seed: int = field(default=0, metadata={"help": "seed of the question sample and of the oracle's imperfect trajectories"})
     warmup_samples: int = field(default=4, metadata={"min": 1, "help": "trajectories sampled per question (oracle: sample 0 is the gold one)"})
@@ -137,7 +137,7 @@ class Args:
     warmup_probe: int = field(default=32, metadata={"help": "μ SFT items on which Eq. 7's two terms are shown before/after"})
     train_mu: bool = field(default=True, metadata={"help": "also train μ (arco.py's outcome baseline needs only π)"})
     gen_batch: int = field(default=16, metadata={"min": 1, "help": "prompts per generation batch in the dev evaluation"})
-    mu_examples: int = field(default=0, metadata={"max": 2, 
+    mu_examples: int = field(default=0, metadata={"max": 2,
         "help": "worked examples in μ's rubric prompt (0-2); each costs ~200 tokens per step, and the SFT "
                 "teaches the format, so none by default", "choices": [0, 1, 2]})
 
