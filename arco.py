@@ -60,10 +60,10 @@ import torch.distributed as dist
 import env
 import warmup
 from evaluate import UsageError, main_guard, parse_args
-from rubric_model import (RUBRIC_MODES, ModelLoadError, RubricModel, SharedPrefix, add_lora, chat_prompt_ids,
-                          check_intact, check_model_available, contexts_from_trajectory, damaged, encode_response,
-                          load_backbone_checkpoint, merge_lora, memory_estimate, packed_steps, policy_act, reference,
-                          reference_logq, save_backbone, token_passes, trainable_parameters, write_manifest)
+from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, RubricModel, add_lora, check_intact,
+                          check_model_available, contexts_from_trajectory, damaged, load_backbone_checkpoint,
+                          merge_lora, memory_estimate, policy_act, policy_sequences, reduce_tokens, save_backbone,
+                          trainable_parameters, training_passes, write_manifest)
 from warmup import dev_rank, mu_dir_name
 
 
@@ -100,6 +100,10 @@ class Args:
                                                     "choices": ["auto", "on", "off"]})
     gpu_memory: float = field(default=80.0, metadata={"above": 0, "help": "GiB of the one device --dry-run's memory estimate "
                                                               "checks the run against (the paper: one 80 GB GPU)"})
+    engine: str = field(default="fast", metadata={"help": "how the updates' passes are computed: fast (shared "
+                                                           "beginnings once, packed) or plain (one forward per "
+                                                           "sequence: the code to read); the same numbers",
+                                                   "choices": list(ENGINES)})
     sampling: str = field(default="batch", metadata={
         "help": "π's random stream when sampling rollouts: batch (one draw over the generation batch, as "
                 "transformers' generate) or trajectory (one seeded stream per trajectory: the same rollouts "
@@ -356,15 +360,6 @@ def outcome_advantages(R: Sequence[float], groups: Sequence | None = None) -> li
     return [float(r) - total[key][1] / total[key][0] for key, r in zip(keys, R)]
 
 
-def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
-    """One number per step from a per-token quantity [B, L] (zero at padding): the sum over the
-    step's tokens (the paper's Σ_i in Eq. 5) or their mean (the release). → [B]."""
-    total = (per_token * mask).sum(-1)
-    if how == "sum":
-        return total
-    return total / mask.sum(-1).clamp_min(1)
-
-
 def policy_loss(logp: torch.Tensor, advantages: torch.Tensor, n_trajectories: int,
                 kl_per_step: torch.Tensor | None = None, kl_coef: float = 0.0) -> torch.Tensor:
     """Eq. 3: −(1/|B|) Σ_τ Σ_{t∈V_τ} A_{τ,t} log p_π(a_t|h_t) + λ_π L_KL^π.
@@ -396,13 +391,15 @@ def decomposition_loss(s: torch.Tensor, trajectory: torch.Tensor, R: torch.Tenso
 
     `s` holds the step scores of every step, `trajectory` the index (into `R`) of the trajectory
     each step belongs to, `R` one outcome per trajectory, `weights` w_τ (1 in the paper; see
-    class_weights). `n_trajectories` is |B| when `R` is a micro-batch of whole trajectories.
+    class_weights). The sum runs over the trajectories with steps in `s`: a training pass holds whole
+    trajectories, and the passes' terms add up to the batch's (`n_trajectories` = the batch's |B|).
     """
     sums = torch.zeros(len(R), dtype=s.dtype, device=s.device).index_add(0, trajectory, s)
     err = (sums - R.to(s.dtype)) ** 2
     if weights is not None:
         err = err * weights.to(s.dtype)
-    return err.sum() / (n_trajectories or len(R))
+    present = torch.zeros(len(R), dtype=torch.bool, device=s.device).index_fill(0, trajectory, True)
+    return err[present].sum() / (n_trajectories or len(R))
 
 
 def rubric_loss(s: torch.Tensor, trajectory: torch.Tensor, R: torch.Tensor,
@@ -436,11 +433,16 @@ def annotate(mu, trajs, args: Args) -> tuple[list, list, torch.Tensor, torch.Ten
     trajectory order.
     """
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
-    if not contexts:                     # (under torchrun a rank may hold none of a small last batch)
-        return [], [], torch.zeros(0, args.k), torch.zeros(0)
     mu.eval()
-    rubrics, scores = mu.annotate(contexts, args.rubric_temperature, args.max_new_tokens_mu, args.gen_batch)
-    return contexts, rubrics, scores.d.float().cpu(), scores.s.float().cpu()
+
+    def written(cs):                                  # (a torchrun rank's share may be empty)
+        rubrics, sc = mu.annotate(cs, args.rubric_temperature, args.max_new_tokens_mu, args.gen_batch) if cs else ([], None)
+        return list(zip(rubrics, sc.d.float().cpu(), sc.s.float().cpu())) if cs else []
+    out = in_shares(written, contexts)
+    if not out:
+        return contexts, [], torch.zeros(0, args.k), torch.zeros(0)
+    rubrics, d, s = zip(*out)
+    return contexts, list(rubrics), torch.stack(d), torch.stack(s)
 
 
 def advantages(trajs, s: torch.Tensor | None, dense: bool, args: Args) -> tuple[list[list[float]], dict]:
@@ -473,160 +475,75 @@ def check_finite(name: str, value: float) -> None:
         raise NonFiniteLoss(f"the {name} loss is {value}")
 
 
-def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_coef: float,
-                  n_batch: int | None = None) -> dict:
-    """Alg. 1, lines 33–35: one gradient step on Eq. 3. `n_batch` is |B| when `trajs` is this rank's
-    share of the batch (torchrun): the ranks' gradients are then summed before the step.
-
-    Plumbing: the steps' sequences share their beginnings (the system prompt across the batch, then a
-    question and a trajectory's history): the shared prompt is cached once (SharedPrefix) and the rest
-    is packed so that every shared token is computed once (rubric_model.pack); passes of at most
-    --pass-tokens tokens are backpropagated one by one (the terms of Eq. 3 add up).
-    """
-    valid = [(st, a) for t, a_t in zip(trajs, A) for st, a in zip(t.steps, a_t) if st.valid]     # V_τ
-    # With λ_π = 0 a step whose advantage is 0 adds nothing to Eq. 3's value or gradient, so it is not
-    # computed (a sparse batch at a low success rate: every group whose samples all fail or all succeed).
-    steps = valid if kl_coef else [(st, a) for st, a in valid if a != 0.0]
-    responses = [list(st.output_ids or encode_response(pi, st.output)) for st, _ in steps]
-    seqs = [chat_prompt_ids(pi.tokenizer, st.prompt) + r for (st, _), r in zip(steps, responses)]
-    lens = [len(r) for r in responses]
+def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_pi: float) -> dict:
+    """Alg. 1, lines 33–35: one gradient step on Eq. 3 over the batch's valid steps, λ_π = `kl_pi`."""
+    steps = [(st, a) for t, a_t in zip(trajs, A) for st, a in zip(t.steps, a_t) if st.valid]          # V_τ
+    n_valid = len(steps)
+    if not kl_pi:     # with λ_π = 0 a step of advantage 0 adds nothing to Eq. 3's value or gradient: skipped
+        steps = [(st, a) for st, a in steps if a != 0.0]
+    seqs, lens = policy_sequences(pi, [st for st, _ in steps])                   # (h_t, a_t) as π reads them
+    adv = torch.tensor([a for _, a in steps])
     pi.model.train()
     optimizer.zero_grad(set_to_none=True)
-    total, kl_sum = 0.0, 0.0
-    if steps:
-        root = SharedPrefix(pi, seqs, [n + 1 for n in lens], detach=True)
-        if kl_coef:
-            with torch.no_grad(), reference(pi):
-                ref_root = SharedPrefix(pi, seqs, [n + 1 for n in lens])
-        for (run,) in token_passes(seqs, args.pass_tokens, root.n):
-            sub, sub_lens = [seqs[i] for i in run], [lens[i] for i in run]
-            ref = reference_logq(pi, sub, sub_lens, ref_root) if kl_coef else None                  # π_ref
-            outs = packed_steps(pi, sub, sub_lens, root, ref)
-            kl_step = torch.stack([reduce_tokens(o.kl[None], torch.ones_like(o.kl[None]), args.token_reduction)[0]
-                                   for o in outs]) if kl_coef else None
-            adv = torch.tensor([steps[i][1] for i in run], device=outs[0].logprobs.device)
-            loss = policy_loss(torch.stack([o.logprobs.sum() for o in outs]), adv, n_batch or len(trajs), kl_step,
-                               kl_coef)                                                                # Eq. 3
-            loss.backward()
-            total += float(loss.detach())
-            kl_sum += sum(float(o.kl.detach().sum()) for o in outs) if kl_coef else 0.0
-        root.backward_prefix()
-    total, kl_sum, n_tokens, n_valid = dp.sum(total, kl_sum, sum(lens), len(valid))    # the whole batch's
-    if n_valid:
-        check_finite("policy (Eq. 3)", total)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        for p in params:          # a zero gradient, as if the skipped steps had been computed: AdamW's
-            if p.grad is None:    # moments and weight decay then move exactly as they would have
-                p.grad = torch.zeros_like(p)
-        dp.sum_gradients(params)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+    loss_sum = kl_sum = 0.0
+    for p in passes(pi, seqs, lens, args, kl=bool(kl_pi)):
+        kl = reduce_tokens(p.kl, p.mask, args.token_reduction) if kl_pi else None     # KL_t(π ‖ π_ref)
+        loss = policy_loss(p.logprobs.sum(-1), adv[p.index].to(p.logprobs.device), len(trajs), kl, kl_pi)  # Eq. 3
+        loss.backward()
+        loss_sum += float(loss.detach())
+        kl_sum += float(p.kl.detach().sum()) if kl_pi else 0.0
+    loss_sum, kl_sum = gradient_step(optimizer, "policy (Eq. 3)", loss_sum, kl_sum, step=n_valid > 0)
     pi.model.eval()
-    return {"policy_loss": total, "kl_pi": kl_sum / max(n_tokens, 1), "policy_steps": int(n_valid)}
+    return {"policy_loss": loss_sum, "kl_pi": kl_sum / max(sum(lens), 1), "policy_steps": n_valid}
 
 
-def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args, batch: tuple | None = None) -> dict:
-    """Alg. 1, lines 36–38: one gradient step on Eq. 5, whose decomposition term couples the steps of a
-    trajectory: each pass holds whole trajectories. `batch` = (every R(τ) of the batch, its number of steps,
-    where `trajs` starts in it) when `trajs` is this rank's share (torchrun): the class weights and the
-    divisors are then the whole batch's, and the ranks' gradients are summed before the step.
-
-    Plumbing: as in policy_update, shared beginnings are computed once; a trajectory longer than
-    --pass-tokens alone is cut into parts whose activations are recomputed in the backward (gradient
-    checkpointing: the same numbers, less memory).
-    """
-    from torch.utils.checkpoint import checkpoint
-    R_all, n_steps, first = batch or ([t.reward for t in trajs], len(contexts), 0)
-    n_traj = len(R_all)
-    weights = (class_weights(R_all) if args.class_balance else [1.0] * n_traj)[first:first + len(trajs)]
-    kl_divisor = n_traj if args.token_reduction == "mean" else n_steps
-    use_kl = bool(args.kl_mu) and mu.rubric_mode not in ("static", "none")
-    seqs = mu.scoring_ids(contexts, rubrics)
+def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
+    """Alg. 1, lines 36–38: one gradient step on Eq. 5. Its decomposition term couples the steps of a
+    trajectory, so each pass holds whole trajectories."""
+    R = torch.tensor([float(t.reward) for t in trajs])
+    w = torch.tensor(class_weights(R.tolist()) if args.class_balance else [1.0] * len(trajs))
+    kl_divisor = len(trajs) if args.token_reduction == "mean" else len(contexts)       # see rubric_loss
+    use_kl = bool(args.kl_mu) and mu.rubric_mode not in ("static", "none")     # no generated r_t to regularize
+    seqs = mu.scoring_ids(contexts, rubrics)                                      # (q, h_t, a_t, r_t)
     lens = [len(r.token_ids) if use_kl else 0 for r in rubrics]
-    of = [k for k, t in enumerate(trajs) for _ in t.steps]                 # the trajectory of each step
-    units = [list(r) for r in env.step_ranges(trajs)]
+    of = torch.tensor([k for k, t in enumerate(trajs) for _ in t.steps])          # each step's trajectory
     mu.train()
     optimizer.zero_grad(set_to_none=True)
-    total, mse, kl_sum = 0.0, 0.0, 0.0
-    if seqs:                             # (under torchrun a rank may hold none of a small last batch)
-        root = SharedPrefix(mu.backbone, seqs, [n + 1 for n in lens], detach=True)
-        if use_kl:
-            with torch.no_grad(), reference(mu.backbone):
-                ref_root = SharedPrefix(mu.backbone, seqs, [n + 1 for n in lens])
-
-        def part(idx):                       # one packed row: μ's pooled vectors and per-step KL terms
-            sub, sub_lens = [seqs[i] for i in idx], [lens[i] for i in idx]
-            ref = reference_logq(mu.backbone, sub, sub_lens, ref_root) if use_kl else None               # μ_ref
-            outs = packed_steps(mu.backbone, sub, sub_lens, root, ref)
-            kl = torch.stack([o.kl.sum() for o in outs]) if use_kl else torch.zeros(len(outs))       # Σ_i KL_i
-            if use_kl and args.token_reduction == "mean":
-                kl = kl / torch.tensor([max(1, n) for n in sub_lens], device=kl.device)               # mean_i KL_i
-            return torch.stack([o.hidden_sum / o.length for o in outs]), kl
-        for parts in token_passes(seqs, args.pass_tokens, root.n, units):
-            res = [part(p) for p in parts] if len(parts) == 1 else \
-                [checkpoint(part, p, use_reentrant=False) for p in parts]
-            idx = [i for p in parts for i in p]
-            d = mu.head(torch.cat([pooled for pooled, _ in res]))                                          # Eq. 2
-            s = d.mean(-1).float().cpu()
-            kl_step = torch.cat([kl for _, kl in res]).float().cpu() if use_kl else None
-            members = sorted({of[i] for i in idx})
-            local = torch.tensor([members.index(of[i]) for i in idx])
-            R = torch.tensor([trajs[k].reward for k in members])
-            w = torch.tensor([weights[k] for k in members])
-            loss = rubric_loss(s, local, R, kl_step, args.kl_mu, kl_divisor, n_traj, w)                    # Eq. 5
-            loss.backward()
-            total += float(loss.detach())
-            mse += float(decomposition_loss(s.detach(), local, R, n_traj))
-            if use_kl:        # for the log: the mean per-token KL
-                sums = kl_step.detach() * (torch.tensor([max(1, lens[i]) for i in idx]) if args.token_reduction == "mean" else 1)
-                kl_sum += float(sums.sum())
-        root.backward_prefix()
-    total, mse, kl_sum, n_tokens = dp.sum(total, mse, kl_sum, sum(lens))                 # the whole batch's
-    check_finite("rubric-model (Eq. 5)", total)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    dp.sum_gradients(params)
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    optimizer.step()
+    loss_sum = mse = kl_sum = 0.0
+    for p in passes(mu.backbone, seqs, lens, args, kl=use_kl, units=env.step_ranges(trajs)):
+        s = mu.step_scores(p.pooled).s.float().cpu()                                                  # Eq. 2
+        kl = reduce_tokens(p.kl, p.mask, args.token_reduction).float().cpu() if use_kl else None   # KL_t(μ ‖ μ_ref)
+        loss = rubric_loss(s, of[p.index], R, kl, args.kl_mu, kl_divisor, len(trajs), w)             # Eq. 5
+        loss.backward()
+        loss_sum += float(loss.detach())
+        mse += float(decomposition_loss(s.detach(), of[p.index], R, len(trajs)))
+        kl_sum += float(p.kl.detach().sum()) if use_kl else 0.0
+    loss_sum, mse, kl_sum = gradient_step(optimizer, "rubric-model (Eq. 5)", loss_sum, mse, kl_sum)
     mu.eval()
-    return {"rubric_loss": total, "decomposition_mse": mse, "kl_mu": kl_sum / max(n_tokens, 1)}
+    return {"rubric_loss": loss_sum, "decomposition_mse": mse, "kl_mu": kl_sum / max(sum(lens), 1)}
 
 
-def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, args: Args, retriever,
+def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, phase: dict, args: Args, retriever,
               run_dir: Path) -> dict:
-    """One iteration of Algorithm 1 (lines 5–38) on one batch; appends its metrics and traces.
-
-    Under torchrun each rank rolls out and annotates its share of B (`mine`, a slice of the batch's
-    trajectories); every rank then holds the whole batch's trajectories and scores (dp.gather), so the
-    advantages and logged numbers are the whole batch's, and each rank's update takes its own share
-    with the batch's |B| (the ranks' gradients are summed). One process: `mine` is all of B."""
-    seed = args.seed * 1_000_003 + epoch * 1009 + b
-    torch.manual_seed(seed)                                       # resumable: sampling seeded per batch
-    row: dict = {"kind": "update", "epoch": epoch, "batch": b, "dense": dense}
+    """One iteration of Algorithm 1 (lines 5–38) on one batch, in the epoch's `phase` (an epoch_plan
+    entry: sparse or dense, λ_π); appends its metrics and traces."""
+    row: dict = {"kind": "update", "epoch": epoch, "batch": b, "dense": phase["dense"]}
     t0 = time.time()
-    group = [ex for ex in batch for _ in range(1 if dense else args.group_size)]     # B: G samples when sparse
-    mine = dp.share(len(group))
-    seeds = [(seed * 4096 + j) % 2 ** 56 for j in range(len(group))][mine] if args.sampling == "trajectory" else None
-    act = policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch)
-    trajs = dp.gather(env.rollout(group[mine], act, retriever, args.max_searches, args.obs_chars,
-                                  seeds=seeds))                                          # lines 6–14
+    group = [ex for ex in batch for _ in range(phase["samples"])]           # B: G samples per question if sparse
+    trajs = sample_trajectories(pi, group, epoch, b, args, retriever)                        # lines 6–14
     row["seconds_rollout"] = time.time() - t0
-    if dp.world > 1:
-        torch.manual_seed(seed * 64 + dp.rank)                    # each rank its own LoRA dropout masks
     contexts = rubrics = d = s = None
     if mu is not None:
         t0 = time.time()
-        contexts, own_rubrics, d, s = annotate(mu, trajs[mine], args)                   # lines 15–19
-        rubrics, d, s = dp.gather(own_rubrics), torch.cat(dp.gather([d])), torch.cat(dp.gather([s]))
+        contexts, rubrics, d, s = annotate(mu, trajs, args)                                      # lines 15–19
         row["seconds_mu_annotate"] = time.time() - t0
-    A, info = advantages(trajs, s, dense, args)                                         # lines 26–32
+    A, info = advantages(trajs, s, phase["dense"], args)                                          # lines 26–32
     t0 = time.time()
-    kl_pi = args.kl_pi_dense if dense else args.kl_pi_sparse
-    row.update(policy_update(pi, opt_pi, trajs[mine], A[mine], args, kl_pi, n_batch=len(trajs)))  # lines 33–35
+    row.update(policy_update(pi, opt_pi, trajs, A, args, phase["kl_pi"]))                          # lines 33–35
     row["seconds_pi_update"] = time.time() - t0
     if mu is not None:
         t0 = time.time()
-        whole = ([t.reward for t in trajs], len(rubrics), mine.start)
-        row.update(rubric_update(mu, opt_mu, trajs[mine], contexts, own_rubrics, args, whole))  # lines 36–38
+        row.update(rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))                      # lines 36–38
         row["seconds_mu_update"] = time.time() - t0
     steps = [st for t in trajs for st in t.steps]
     row.update(trajectories=len(trajs), questions=len(batch), mean_R=sum(t.reward for t in trajs) / len(trajs),
@@ -634,10 +551,7 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, dense: bool, ar
                mean_s=float(s.mean()) if s is not None else None,
                rubric_parse_rate=sum(r.parsed for r in rubrics) / len(rubrics) if rubrics else None,
                mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gib=peak_rss_gib())
-    if dp.main:
-        env.write_jsonl(run_dir / "metrics.jsonl", [row], append=True)
-        env.write_jsonl(run_dir / "traces" / f"epoch_{epoch}.jsonl",
-                        trace_rows(trajs, epoch, b, rubrics, d, s, A, info), append=True)
+    log_iteration(run_dir, row, trace_rows(trajs, epoch, b, rubrics, d, s, A, info))
     return row
 
 
@@ -660,25 +574,22 @@ def run(args: Args) -> Path:
     else:
         pi, mu, opt_pi, opt_mu, start_epoch, start_batch, history = resume_from(last, run_dir, args)
 
-    from tqdm import tqdm
     try:
         with CtrlC() as ctrl_c:
             for epoch in range(start_epoch, args.epochs + 1):                                # Alg. 1, line 3
-                dense = is_dense(epoch, args)                                                  # line 4
+                phase = epoch_plan(args, len(train))[epoch - 1]             # line 4: sparse or dense, λ_π, lr
                 for g in opt_pi.param_groups:
-                    g["lr"] = args.pi_lr_dense if dense else args.pi_lr_sparse
+                    g["lr"] = phase["pi_lr"]
                 batches = epoch_batches(train, epoch, args)
                 first = start_batch if epoch == start_epoch else 0
-                for b in tqdm(range(first, len(batches)), desc=f"epoch {epoch} ({'dense' if dense else 'sparse'})",
-                              disable=not dp.main):
-                    row = iteration(pi, mu, opt_pi, opt_mu, batches[b], epoch, b, dense, args, retriever,
+                for b in progress(range(first, len(batches)), f"epoch {epoch} ({'dense' if phase['dense'] else 'sparse'})"):
+                    row = iteration(pi, mu, opt_pi, opt_mu, batches[b], epoch, b, phase, args, retriever,
                                     run_dir)                                                   # lines 5–38
-                    if dp.main:
-                        tqdm.write(update_line(row, epoch, b))
+                    show(update_line(row, epoch, b))
                     if ctrl_c.agreed() and b + 1 < len(batches):
                         ctrl_c.stop(run_dir, pi, mu, opt_pi, opt_mu, epoch, history, b + 1)
                 ev, trajs = evaluate_policy(pi, dev, args, retriever)
-                history.append(log_evaluation(run_dir, epoch, ev, trace_rows(trajs, epoch, -1), dense))
+                history.append(log_evaluation(run_dir, epoch, ev, trace_rows(trajs, epoch, -1), phase["dense"]))
                 save_checkpoint(run_dir / "checkpoints" / f"epoch_{epoch}", pi, mu, opt_pi, opt_mu, epoch, history)
                 if ctrl_c.agreed() and epoch < args.epochs:
                     ctrl_c.stop(run_dir, pi, mu, opt_pi, opt_mu, epoch, history)
@@ -687,9 +598,8 @@ def run(args: Args) -> Path:
         sys.exit(f"error: {e} at epoch {epoch}, batch {b}; nothing of this batch was saved. The last good "
                  f"checkpoint is {kept or 'none (no epoch finished yet)'}: lower the learning rates and rerun "
                  f"with --resume.")
-    if dp.main:
-        write_selection(run_dir, history, args)
-        write_report(run_dir, history, args)
+    write_selection(run_dir, history, args)
+    write_report(run_dir, history, args)
     return run_dir
 
 
@@ -1051,6 +961,71 @@ class DataParallel:
 dp = DataParallel()
 
 
+# What the algorithm functions call to reach the engines and the ranks: one call each.
+
+def passes(bb, seqs, lens, args: Args, kl: bool = False, units=None):
+    """The training passes of an update (rubric_model.training_passes) with the chosen --engine and
+    --pass-tokens; under torchrun, this rank's share of the units (gradient_step sums the gradients)."""
+    return training_passes(bb, seqs, lens, kl, args.engine, args.pass_tokens, units, dp.share)
+
+
+def gradient_step(optimizer, what: str, *totals: float, step: bool = True) -> list[float]:
+    """After an update's passes: its logged totals summed over the ranks, a NaN or inf loss (the first
+    total) stopped before the weights, then one optimizer step on the ranks' summed gradients, clipped
+    to norm 1 (the release). A parameter no pass reached gets a zero gradient, as if the skipped steps
+    had been computed: AdamW's moments and weight decay then move exactly as they would have."""
+    totals = dp.sum(*totals)
+    if step:
+        check_finite(what, totals[0])
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        dp.sum_gradients(params)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+    return totals
+
+
+def in_shares(fn, items: list) -> list:
+    """fn (a list → as many results) on this rank's share of `items`; every rank gets all the results, in
+    order. One process: fn(items)."""
+    return dp.gather(fn(items[dp.share(len(items))]))
+
+
+def sample_trajectories(pi, group: list, epoch: int, b: int, args: Args, retriever) -> list:
+    """π's rollouts of one batch (env.rollout, Alg. 1 lines 6–14), seeded per batch (a resumed run draws the
+    same) or per trajectory (--sampling trajectory: the same whatever the rank layout); under torchrun each
+    rank rolls out its share, then draws its own LoRA dropout masks."""
+    seed = args.seed * 1_000_003 + epoch * 1009 + b
+    torch.manual_seed(seed)
+    act = policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch)
+    seeds = [(seed * 4096 + j) % 2 ** 56 for j in range(len(group))] if args.sampling == "trajectory" else None
+    mine = dp.share(len(group))
+    trajs = dp.gather(env.rollout(group[mine], act, retriever, args.max_searches, args.obs_chars,
+                                  seeds=seeds[mine] if seeds else None))
+    if dp.world > 1:
+        torch.manual_seed(seed * 64 + dp.rank)
+    return trajs
+
+
+def log_iteration(run_dir: Path, row: dict, traces: list[dict]) -> None:
+    if dp.main:
+        env.write_jsonl(run_dir / "metrics.jsonl", [row], append=True)
+        env.write_jsonl(run_dir / "traces" / f"epoch_{row['epoch']}.jsonl", traces, append=True)
+
+
+def progress(items, desc: str):
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, disable=not dp.main)
+
+
+def show(line: str) -> None:
+    if dp.main:
+        from tqdm import tqdm
+        tqdm.write(line)
+
+
 class CtrlC:
     """Ctrl-C during RL: the current batch finishes, a checkpoint is saved, the run exits
     (--resume continues from the next batch). A second Ctrl-C stops at once."""
@@ -1089,12 +1064,16 @@ class CtrlC:
 
 def write_selection(run_dir: Path, history: list[dict], args: Args) -> dict:
     sel = select_checkpoint(history, args.sparse_epochs)
+    if not dp.main:
+        return sel
     env.write_json(run_dir / "selection.json", sel)
     return sel
 
 
 def write_report(run_dir: Path, history: list[dict], args: Args) -> None:
     """report.md: the results per epoch, the selected checkpoint, and a few trajectories with rubrics."""
+    if not dp.main:
+        return
     sel = select_checkpoint(history, args.sparse_epochs)
     lines = [f"# ARCO run `{run_dir.name}` on {args.dataset}", "",
              f"preset `{args.preset}`, reward `{args.reward}`, rubric `{args.rubric}`, K = {args.k}, "

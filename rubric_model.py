@@ -505,6 +505,13 @@ def policy_act(bb: Backbone, temperature: float, max_new_tokens: int, batch_size
                                                 batch_size=batch_size, memo=memo, seeds=seeds)
 
 
+def policy_sequences(bb: Backbone, steps) -> tuple[list[list[int]], list[int]]:
+    """The token ids of π's steps as π read and wrote them (its prompt h_t, then its action a_t: the ids it
+    generated, or the action re-encoded), and each action's length."""
+    actions = [list(st.output_ids or encode_response(bb, st.output)) for st in steps]
+    return [chat_prompt_ids(bb.tokenizer, st.prompt) + a for st, a in zip(steps, actions)], [len(a) for a in actions]
+
+
 # ----------------------------------------------------------------------------------------
 # 4. Token log-probs and KL
 # ----------------------------------------------------------------------------------------
@@ -590,20 +597,30 @@ def with_kl(bb: Backbone, current: ResponseLogprobs, prompt_ids: Sequence[Sequen
     token, p_ref being the same backbone with its adapter disabled (one no-grad reference pass)."""
     with torch.no_grad(), reference(bb):
         ref = sequence_logprobs(bb, prompt_ids, response_ids, return_logits=True)
-    kl = token_kl(current.logits, ref.logits)                                # [N]
+    kl = token_kl(torch.log_softmax(current.logits, -1), torch.log_softmax(ref.logits, -1))     # [N]
     current.kl = torch.zeros(current.mask.shape, device=kl.device, dtype=kl.dtype).masked_scatter(current.mask, kl)
     return current
 
 
-def token_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    """KL(p_θ ‖ p_ref) at each position: Σ_v p_θ(v) (log p_θ(v) − log p_ref(v)). [..., V] → [...].
+def token_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """KL(p_θ ‖ p_ref) at each position: Σ_v p_θ(v) (log p_θ(v) − log p_ref(v)), from the two
+    log-softmaxes (log-probabilities over the vocabulary). [..., V] → [...]. The one place the per-token
+    KL is computed (every engine, Eq. 3's π_ref term and Eq. 5's μ_ref term).
 
-    Eq. 5 (and the π_ref term of Eq. 3): the divergence of the trained model from its
-    reference, expectation under p_θ — not the reverse KL(p_ref ‖ p_θ).
+    The divergence of the trained model from its reference, expectation under p_θ — not the reverse
+    KL(p_ref ‖ p_θ).
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    logq = torch.log_softmax(ref_logits.float(), dim=-1)
-    return (logp.exp() * (logp - logq)).sum(-1)
+    return (logp.exp() * (logp - ref_logp)).sum(-1)
+
+
+def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """One number per step from a per-token quantity [B, R] (zero at padding): the sum over the step's
+    tokens (the paper's Σ_i in Eq. 3, 5 and 7) or their mean (the release). → [B]. The one place the
+    token reduction is made."""
+    total = (per_token * mask).sum(-1)
+    if how == "sum":
+        return total
+    return total / mask.sum(-1).clamp_min(1)
 
 
 def response_kl(bb: Backbone, prompt_ids: Sequence[Sequence[int]],
@@ -807,7 +824,7 @@ def packed_steps(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Seq
         logq = torch.log_softmax(_lm_head(bb, hp[len(seq) - r - 1 - n:len(seq) - 1 - n]).float(), -1)
         target = torch.tensor(seq[len(seq) - r:], device=h.device)
         logprobs = logq.gather(-1, target[:, None])[:, 0]
-        kl = (logq.exp() * (logq - ref_logq[i])).sum(-1) if ref_logq is not None else None
+        kl = token_kl(logq, ref_logq[i]) if ref_logq is not None else None
         outs.append(StepPass(total, len(seq), logprobs, kl))
     return outs
 
@@ -845,7 +862,7 @@ def reference_logq(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: S
                 for i, (s, r) in enumerate(zip(seqs, response_lens))]
 
 
-def token_passes(seqs: Sequence[Sequence[int]], budget: int, start: int = 0,
+def token_passes(seqs: Sequence[Sequence[int]], budget: int | None, start: int = 0,
                  units: Sequence[Sequence[int]] | None = None) -> list[list[list[int]]]:
     """Cut a batch into training passes whose packed rows (`pack`) hold at most `budget` tokens: memory.
 
@@ -853,6 +870,8 @@ def token_passes(seqs: Sequence[Sequence[int]], budget: int, start: int = 0,
     trajectory, which Eq. 5 couples. Returns the passes in order; a pass is a list of parts, each part
     one packed row; a pass has several parts only when one unit alone exceeds the budget (its parts
     are then recomputed in the backward, gradient checkpointing)."""
+    if budget is None:                    # no budget: each unit is a pass
+        return [[list(u)] for u in (units if units is not None else [[i] for i in range(len(seqs))])]
     size = lambda idx: len(pack([seqs[i] for i in idx], start).ids)     # noqa: E731
     passes: list[list[list[int]]] = []
     for unit in (units if units is not None else [[i] for i in range(len(seqs))]):
@@ -870,6 +889,98 @@ def token_passes(seqs: Sequence[Sequence[int]], budget: int, start: int = 0,
                     parts.append([i])
             passes.append(parts)
     return passes
+
+
+# ----------------------------------------------------------------------------------------
+# 4c. Training passes: one interface, two engines
+# ----------------------------------------------------------------------------------------
+# Every loss that trains a model (Eq. 3, Eq. 5, Eq. 7, π's SFT) reads the same things from a batch of
+# sequences (prompt + response): each response token's log-prob, its KL to the reference model, and
+# the mean of the sequence's last hidden states. `training_passes` yields them pass by pass; the caller
+# computes its loss on each pass and backpropagates it. Two engines make the passes, with the same
+# numbers up to floating-point rounding (tests/test_engines.py): `plain`, one ordinary forward per
+# sequence (the code to read and to port), and `fast`, the default, which computes each shared
+# beginning once (SharedPrefix, pack) and keeps memory under --pass-tokens (token_passes, checkpointing).
+
+ENGINES = ("fast", "plain")
+
+
+@dataclass
+class Pass:
+    """One training pass over the sequences `index`: what the losses read, padded to [n, R]."""
+    index: list[int]
+    logprobs: torch.Tensor                # [n, R] log p(response token | before it), float32; 0 at padding
+    mask: torch.Tensor                    # [n, R] bool, True on response tokens
+    kl: torch.Tensor | None               # [n, R] KL(p_θ ‖ p_ref) per response token (token_kl), with `kl`
+    pooled: torch.Tensor                  # [n, H] mean of each sequence's last hidden states (Eq. 2), float32
+
+    @classmethod
+    def of(cls, index, logprobs: list, kl: list | None, pooled: torch.Tensor) -> "Pass":
+        width = max([1] + [len(x) for x in logprobs])
+        pad = lambda xs: torch.stack([F.pad(x.float(), (0, width - len(x))) for x in xs])    # noqa: E731
+        mask = torch.arange(width, device=pooled.device)[None] < torch.tensor([len(x) for x in logprobs],
+                                                                              device=pooled.device)[:, None]
+        return cls(list(index), pad(logprobs), mask, pad(kl) if kl is not None else None, pooled)
+
+
+def training_passes(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Sequence[int], kl: bool = False,
+                    engine: str = "fast", budget: int | None = 1024, units: Sequence[Sequence[int]] | None = None,
+                    share: Callable[[int], slice] | None = None):
+    """The passes of one update over `seqs`, the last `response_lens[i]` tokens of each being its response:
+    a `Pass` per group of sequences, each unit of `units` (index lists, e.g. the steps of a trajectory, which
+    Eq. 5 couples; default: each sequence alone) whole in one pass. The caller backpropagates each pass's
+    loss; the engine finishes the backward of what the passes share when the loop ends. With `kl`, the
+    per-token KL to the reference (the adapter disabled). `budget`: the most tokens in a pass of the fast
+    engine (None: one pass per unit). `share` (torchrun): n units → this rank's slice."""
+    units = [list(u) for u in units] if units is not None else [[i] for i in range(len(seqs))]
+    if share is not None:
+        units = units[share(len(units))]
+    if units:
+        passes = plain_passes if engine == "plain" else fast_passes
+        yield from passes(bb, [list(x) for x in seqs], list(response_lens), kl, budget, units)
+
+
+def plain_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool, budget: int, units: list[list[int]]):
+    """The plain engine: one ordinary forward pass per sequence, the reference's by a second one with the
+    adapter disabled; one Pass per unit. No packing, no shared prefix, no checkpointing (`budget` unused)."""
+    def response_logq(ids: torch.Tensor, r: int) -> torch.Tensor:         # [L, H] → log-softmax at the r
+        return torch.log_softmax(_lm_head(bb, ids[len(ids) - r - 1:len(ids) - 1]), -1)   # positions before them
+    for unit in units:
+        logprobs, kls, pooled = [], [], []
+        for i in unit:
+            ids = torch.tensor([seqs[i]], device=bb.device)
+            hidden = last_hidden_states(bb, ids, torch.ones_like(ids))[0]                   # [L, H]
+            logq = response_logq(hidden, lens[i])                                          # [R, V]
+            logprobs.append(logq.gather(-1, ids[0, len(seqs[i]) - lens[i]:, None])[:, 0])
+            if kl:
+                with torch.no_grad(), reference(bb):
+                    ref = response_logq(last_hidden_states(bb, ids, torch.ones_like(ids))[0], lens[i])
+                kls.append(token_kl(logq, ref))
+            pooled.append(hidden.float().mean(0))
+        yield Pass.of(unit, logprobs, kls if kl else None, torch.stack(pooled))
+
+
+def fast_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool, budget: int, units: list[list[int]]):
+    """The fast engine: the units' common beginning runs once (SharedPrefix, for the reference too), the
+    rest in packed rows (packed_steps) of at most `budget` tokens (token_passes); a unit longer than that
+    alone is cut into parts recomputed in the backward (gradient checkpointing)."""
+    from torch.utils.checkpoint import checkpoint
+    mine = [i for u in units for i in u]
+    keep = [lens[i] + 1 for i in mine]
+    root = SharedPrefix(bb, [seqs[i] for i in mine], keep, detach=True)
+    if kl:
+        with torch.no_grad(), reference(bb):
+            ref_root = SharedPrefix(bb, [seqs[i] for i in mine], keep)
+
+    def part(idx):                        # one packed row
+        sub, sub_lens = [seqs[i] for i in idx], [lens[i] for i in idx]
+        outs = packed_steps(bb, sub, sub_lens, root, reference_logq(bb, sub, sub_lens, ref_root) if kl else None)
+        return [o.logprobs for o in outs], [o.kl for o in outs], torch.stack([o.hidden_sum / o.length for o in outs])
+    for parts in token_passes(seqs, budget, root.n, units):
+        res = [part(parts[0])] if len(parts) == 1 else [checkpoint(part, p, use_reentrant=False) for p in parts]
+        yield Pass.of([i for p in parts for i in p], [x for r in res for x in r[0]],
+                      [x for r in res for x in r[1]] if kl else None, torch.cat([r[2] for r in res]))
+    root.backward_prefix()
 
 
 PREFILL_TOKENS = 1024      # the longest packed row of a prefill (its attention costs the square of it)
@@ -1362,8 +1473,8 @@ class RubricModel:
             return rubrics, None
         if not hidden:                                   # sampled rubrics: a score pass of their own
             return rubrics, self.score(contexts, rubrics, batch_size)
-        d = self.head(torch.stack([mean for _, mean in outs])) if outs else torch.zeros((0, self.k))
-        return rubrics, StepScores(d, d.mean(-1))                                # Eq. 2
+        return rubrics, self.step_scores(torch.stack([mean for _, mean in outs]) if outs else
+                                         torch.zeros((0, self.head.net[0].normalized_shape[0]), device=self.backbone.device))   # Eq. 2
 
     # -- score head: d_t = g_φ(mean-pool(hidden(q, h_t, a_t, r_t))) ------------------------
     def scoring_ids(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric] | None) -> list[list[int]]:
@@ -1376,6 +1487,12 @@ class RubricModel:
         if len(rubrics) != len(contexts):
             raise ValueError(f"{len(contexts)} steps but {len(rubrics)} rubrics")
         return [self.prompt_ids(c) + list(r.token_ids) for c, r in zip(contexts, rubrics)]
+
+    def step_scores(self, pooled: torch.Tensor) -> StepScores:
+        """Eq. 2 from the pooled vectors h̄_t [B, H]: d_t = g_φ(h̄_t) ∈ [−1, 1]^K, s_t = (1/K) Σ_j d_{t,j}
+        (the one place s_t is computed)."""
+        d = self.head(pooled)
+        return StepScores(d, d.mean(-1))
 
     def pooled(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric] | None = None) -> torch.Tensor:
         """h̄_t [B, H] in fp32: a score-only pass, which never computes the LM head."""
@@ -1391,21 +1508,17 @@ class RubricModel:
         `batch_size` splits the steps into length-sorted batches (order kept).
         """
         n = len(contexts)
-        if not n:
-            empty = torch.zeros((0, self.k), device=self.backbone.device)
-            return StepScores(empty, empty.mean(-1))
         rubrics = list(rubrics) if rubrics is not None else None
-        if batch_size is None or batch_size >= n:
-            d = self.head(self.pooled(contexts, rubrics))                        # Eq. 2
+        if not n or batch_size is None or batch_size >= n:
+            pooled = self.pooled(contexts, rubrics) if n else torch.zeros((0, self.head.net[0].normalized_shape[0]))
         else:
             lengths = [len(c.prefix) + len(rubrics[i].text if rubrics else "") for i, c in enumerate(contexts)]
             parts, order = [], []
             for batch in _length_batches(lengths, batch_size):
-                parts.append(self.head(self.pooled([contexts[i] for i in batch],
-                                                   [rubrics[i] for i in batch] if rubrics else None)))
+                parts.append(self.pooled([contexts[i] for i in batch], [rubrics[i] for i in batch] if rubrics else None))
                 order += batch
-            d = torch.cat(parts)[torch.argsort(torch.tensor(order, device=parts[0].device))]
-        return StepScores(d, d.mean(-1))                                         # Eq. 2: s_t = mean_j d_{t,j}
+            pooled = torch.cat(parts)[torch.argsort(torch.tensor(order, device=parts[0].device))]
+        return self.step_scores(pooled.to(self.backbone.device))                # Eq. 2
 
     def forward(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric], text: bool = True,
                 kl: bool = False) -> tuple[StepScores, ResponseLogprobs | None]:
@@ -1418,8 +1531,7 @@ class RubricModel:
         ids_list = self.scoring_ids(contexts, list(rubrics))
         ids, mask = pad_right(ids_list, self.backbone.tokenizer.pad_token_id, self.backbone.device)
         hidden = last_hidden_states(self.backbone, ids, mask)
-        d = self.head(mean_pool(hidden.float(), mask))                           # Eq. 2
-        scores = StepScores(d, d.mean(-1))
+        scores = self.step_scores(mean_pool(hidden.float(), mask))               # Eq. 2
         if not (text or kl) or self.rubric_mode in ("static", "none"):
             return scores, None
         r_lens = [len(r.token_ids) for r in rubrics]

@@ -49,9 +49,9 @@ import torch
 
 import env
 from evaluate import main_guard, normalize_answer, parse_args
-from rubric_model import (RUBRIC_MODES, ModelLoadError, RubricModel, SharedPrefix, StepContext, add_lora,
+from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, RubricModel, StepContext, add_lora,
                           chat_prompt_ids, check_model_available, encode_response, load_backbone, merge_lora,
-                          packed_steps, policy_act, save_backbone, trainable_parameters, write_atomically)
+                          policy_act, save_backbone, trainable_parameters, training_passes, write_atomically)
 
 
 @dataclass
@@ -131,6 +131,8 @@ class Args:
         "help": "Eq. 7: mean over tokens (and over the K scores; release) or sum (the paper's form)",
         "choices": ["mean", "sum"]})
     micro_batch: int = field(default=4, metadata={"min": 1, "help": "sequences per forward pass (gradients are accumulated)"})
+    engine: str = field(default="fast", metadata={"help": "how the SFT passes are computed: fast or plain (arco.py's "
+                                                           "--engine)", "choices": list(ENGINES)})
     max_new_tokens_pi: int = field(default=64, metadata={"min": 1, "help": "π's max new tokens per action in the dev evaluation"})
     eval_size: int = field(default=500, metadata={"min": 1, "help": "dev questions for the base / SFT-only evaluation and π SFT's "
                                                           "choice of epoch (paper: 500)"})
@@ -1129,22 +1131,17 @@ def warmup_cosine(optimizer, total_steps: int, warmup_fraction: float = 0.03):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def policy_sft_backward(pi, batch: Sequence[tuple[list[int], list[int]]], micro_batch: int) -> float:
+def policy_sft_backward(pi, batch: Sequence[tuple[list[int], list[int]]], micro_batch: int,
+                        engine: str = "fast") -> float:
     """π SFT's loss on one optimizer batch of (policy prompt, action) pairs, backpropagated; returns its
     value: the mean NLL of the target actions' tokens (target tokens only) over the whole batch, so the
-    memory knob `micro_batch` does not change it. Plumbing: the batch's common beginning (the system
-    prompt, over half of a synthetic prompt's tokens) runs through the decoder once (SharedPrefix), the
-    rest in parts of `micro_batch` sequences, each part packed (rubric_model.pack); the same loss and
-    gradient as one plain pass per sequence (tested)."""
+    memory knob `micro_batch` (sequences per pass) does not change it."""
     seqs, lens = [p + r for p, r in batch], [len(r) for _, r in batch]
-    root = SharedPrefix(pi, seqs, [n + 1 for n in lens], detach=True)
-    tokens, total = sum(lens), 0.0
-    for part in _micro(list(range(len(batch))), micro_batch):
-        outs = packed_steps(pi, [seqs[i] for i in part], [lens[i] for i in part], root)
-        loss = -torch.stack([o.logprobs.sum() for o in outs]).sum() / tokens
+    total = 0.0
+    for p in training_passes(pi, seqs, lens, engine=engine, budget=None, units=_micro(list(range(len(batch))), micro_batch)):
+        loss = -(p.logprobs * p.mask).sum() / sum(lens)
         loss.backward()
         total += float(loss.detach())
-    root.backward_prefix()
     return total
 
 
@@ -1158,7 +1155,7 @@ def dev_rank(scores: dict) -> tuple:
 
 def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch_size: int = 8, seed: int = 0,
                      progress: bool = True, micro_batch: int = 4, weight_decay: float = 0.0,
-                     evaluate: Callable | None = None) -> dict:
+                     evaluate: Callable | None = None, engine: str = "fast") -> dict:
     """π warmup (App. B): a LoRA trained on (policy prompt → action), then merged into the weights.
 
     AdamW with a 3%-warmup cosine schedule (the release's). With `evaluate` (π → its dev scores), π is
@@ -1179,7 +1176,7 @@ def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch
         batches = _shuffled_batches(len(data), batch_size, rng)
         for b in tqdm(batches, desc=f"π SFT epoch {epoch + 1}/{epochs}", disable=not progress, leave=False):
             opt.zero_grad(set_to_none=True)
-            total += policy_sft_backward(pi, [data[i] for i in b], micro_batch) * len(b)
+            total += policy_sft_backward(pi, [data[i] for i in b], micro_batch, engine) * len(b)
             opt.step()
             schedule.step()
         losses.append(total / max(len(data), 1))
@@ -1208,74 +1205,64 @@ def rubric_items(mu, items: Sequence[dict]):
     return contexts, rubrics, targets
 
 
-def rubric_sft_loss(mu, items: Sequence[dict], lam: float, token_reduction: str = "sum"):
-    """Eq. 7: −Σ_t log p_θ(r̃_t | q, h_t, a_t) + λ Σ_t ‖d_t − ŝ_t‖², on a batch of steps.
+def rubric_sft_loss(d: torch.Tensor, targets: torch.Tensor, logprobs: torch.Tensor | None, mask: torch.Tensor,
+                    lam: float, token_reduction: str = "sum", n_steps: int | None = None, n_tokens: int | None = None):
+    """Eq. 7: −Σ_t log p_θ(r̃_t | q, h_t, a_t) + λ Σ_t ‖d_t − ŝ_t‖², on the steps of a pass.
 
-    The text term is the NLL of the teacher's criteria JSON; the score term is the squared error of
-    the score head's d_t on the full scoring sequence (q, h_t, a_t, r̃_t) against the projected teacher
-    scores ŝ_t. `token_reduction` "sum" is Eq. 7's form (the NLL summed over the rubric's tokens and
-    the error over the K scores, both averaged over the batch's steps); "mean" is the release's (the
-    NLL averaged over the batch's rubric tokens, the error over its steps × K). Variants with no
-    generated rubric ('static', 'none') have no text term: App. B, "ablations ... either remove the
-    rubric text target or replace it with a fixed rubric". Returns (loss, text, score).
-    """
-    contexts, rubrics, targets = rubric_items(mu, items)
-    scores, logprobs = mu.forward(contexts, rubrics)         # both heads, one decoder pass
-    sq = (scores.d.float() - targets) ** 2
-    score = sq.sum(-1).mean() if token_reduction == "sum" else sq.mean()
-    if logprobs is None:
-        text = score.new_zeros(())
-    elif token_reduction == "sum":
-        text = -logprobs.sums().float().mean()
-    else:
-        text = -logprobs.logprobs.float().sum() / logprobs.mask.sum().clamp_min(1)
+    `d` [n, K] is the score head's d_t on the full scoring sequence (q, h_t, a_t, r̃_t), `targets` [n, K]
+    the projected teacher scores ŝ_t, `logprobs` [n, R] (with `mask`) the teacher rubric's token log-probs:
+    the text term, None for the variants with no generated rubric (App. B: 'static' and 'none' "remove the
+    rubric text target"). `token_reduction` "sum" is Eq. 7's form (the NLL summed over a rubric's tokens and
+    the error over the K scores, both averaged over steps); "mean" is the release's (the NLL averaged over
+    rubric tokens, the error over steps × K). `n_steps`, `n_tokens`: the whole batch's, when the pass is a
+    part of it (the parts' losses then add up to the batch's). Returns (loss, text, score)."""
+    n_steps = n_steps or len(d)
+    sq = ((d.float() - targets) ** 2).sum()
+    score = sq / n_steps if token_reduction == "sum" else sq / (n_steps * d.shape[-1])
+    text = sq.new_zeros(())
+    if logprobs is not None:
+        nll = -(logprobs * mask).sum()
+        text = nll / n_steps if token_reduction == "sum" else nll / max(1, n_tokens or int(mask.sum()))
     return text + lam * score, text, score
 
 
-def rubric_sft_backward(mu, items: Sequence[dict], lam: float, micro_batch: int, token_reduction: str = "sum") -> float:
-    """rubric_sft_loss (Eq. 7) of one optimizer batch, backpropagated; returns its value. Each term is
-    normalized over the whole batch (steps, or rubric tokens), so the memory knob `micro_batch` does not
-    change it. Plumbing as in policy_sft_backward (and arco.rubric_update): the batch's common beginning
-    once (SharedPrefix), the rest in packed parts; both heads from the same pass (Eq. 2's pooled vector,
-    the rubric tokens' log-probs). The same loss and gradient as rubric_sft_loss (tested)."""
+def rubric_sft_passes(mu, items: Sequence[dict], lam: float, micro_batch: int, token_reduction: str = "sum",
+                      engine: str = "fast"):
+    """Eq. 7 (rubric_sft_loss) on each pass of `micro_batch` steps of a batch, normalized over the whole
+    batch: yields (loss, text, score) per pass. Both heads read the same pass (Eq. 2's pooled vector, the
+    rubric tokens' log-probs)."""
     contexts, rubrics, targets = rubric_items(mu, items)
     has_text = mu.rubric_mode not in ("static", "none")        # App. B: no rubric text target for these
     seqs = mu.scoring_ids(contexts, rubrics)
     lens = [len(r.token_ids) if has_text else 0 for r in rubrics]
-    n = len(items)
-    text_div = n if token_reduction == "sum" else max(1, sum(lens))     # Σ_i over a rubric, or a token mean
-    score_div = n if token_reduction == "sum" else n * mu.k            # Σ_j over the K scores, or a mean
-    root = SharedPrefix(mu.backbone, seqs, [m + 1 for m in lens], detach=True)
+    units = _micro(list(range(len(items))), micro_batch)
+    for p in training_passes(mu.backbone, seqs, lens, engine=engine, budget=None, units=units):
+        yield rubric_sft_loss(mu.step_scores(p.pooled).d, targets[p.index], p.logprobs if has_text else None, p.mask,
+                              lam, token_reduction, len(items), sum(lens))
+
+
+def rubric_sft_backward(mu, items: Sequence[dict], lam: float, micro_batch: int, token_reduction: str = "sum",
+                        engine: str = "fast") -> float:
+    """Eq. 7 on one optimizer batch, backpropagated pass by pass; returns its value (the memory knob
+    `micro_batch` does not change it)."""
     total = 0.0
-    for part in _micro(list(range(n)), micro_batch):
-        outs = packed_steps(mu.backbone, [seqs[i] for i in part], [lens[i] for i in part], root)
-        d = mu.head(torch.stack([o.hidden_sum / o.length for o in outs]))                    # Eq. 2
-        loss = lam * ((d.float() - targets[part]) ** 2).sum() / score_div
-        if has_text:
-            loss = loss - torch.stack([o.logprobs.sum() for o in outs]).sum() / text_div
+    for loss, _, _ in rubric_sft_passes(mu, items, lam, micro_batch, token_reduction, engine):
         loss.backward()
         total += float(loss.detach())
-    root.backward_prefix()
     return total
 
 
 def rubric_sft_terms(mu, items: Sequence[dict], lam: float, batch_size: int = 8, token_reduction: str = "sum") -> dict:
-    """The two terms of Eq. 7, averaged over `items`, without gradients (to show μ SFT lowers both)."""
-    text = score = 0.0
+    """The two terms of Eq. 7 over `items`, without gradients (to show μ SFT lowers both)."""
     mu.eval()
     with torch.no_grad():
-        for i in range(0, len(items), batch_size):
-            chunk = items[i:i + batch_size]
-            _, t, sc = rubric_sft_loss(mu, chunk, lam, token_reduction)
-            text += float(t) * len(chunk)
-            score += float(sc) * len(chunk)
-    n = max(len(items), 1)
-    return {"text_nll": text / n, "score_sq_error": score / n}
+        terms = [(float(t), float(sc)) for _, t, sc in rubric_sft_passes(mu, items, lam, batch_size, token_reduction)]
+    return {"text_nll": sum(t for t, _ in terms), "score_sq_error": sum(sc for _, sc in terms)}
 
 
 def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr: float, lam: float,
                      batch_size: int = 8, seed: int = 0, progress: bool = True, micro_batch: int = 2,
-                     weight_decay: float = 0.0, token_reduction: str = "sum") -> list[float]:
+                     weight_decay: float = 0.0, token_reduction: str = "sum", engine: str = "fast") -> list[float]:
     """μ warmup (App. B, Eq. 7): a LoRA on μ's backbone and the score head, trained together with
     separate learning rates (AdamW, the release's 3%-warmup cosine schedule); the last epoch is kept
     (as in the release, which has no validation split for μ) and its LoRA merged. Returns the mean
@@ -1291,7 +1278,7 @@ def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr:
         for b in tqdm(_shuffled_batches(len(items), batch_size, rng), desc=f"μ SFT epoch {epoch + 1}/{epochs}",
                       disable=not progress, leave=False):
             opt.zero_grad(set_to_none=True)
-            total += rubric_sft_backward(mu, [items[i] for i in b], lam, micro_batch, token_reduction) * len(b)
+            total += rubric_sft_backward(mu, [items[i] for i in b], lam, micro_batch, token_reduction, engine) * len(b)
             opt.step()
             schedule.step()
         losses.append(total / max(len(items), 1))
@@ -1313,9 +1300,9 @@ def fit_score_head(mu, items: Sequence[dict], steps: int, lr: float, micro_batch
     seqs = mu.scoring_ids(contexts, rubrics)
     mu.eval()
     with torch.no_grad():
-        root = SharedPrefix(mu.backbone, seqs, [1] * len(seqs))
-        pooled = torch.stack([o.hidden_sum / o.length for part in _micro(list(range(len(seqs))), micro_batch)
-                              for o in packed_steps(mu.backbone, [seqs[i] for i in part], [1] * len(part), root)])
+        pooled = torch.cat([p.pooled for p in training_passes(mu.backbone, seqs, [0] * len(seqs), budget=None,
+                                                              units=_micro(list(range(len(seqs))), micro_batch))])
+
     def error() -> torch.Tensor:
         return ((mu.head(pooled).float() - targets) ** 2).mean()
     with torch.no_grad():
@@ -1377,7 +1364,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         metrics["base"], _ = dev_eval(pi)
         torch.manual_seed(args.seed)            # π's LoRA initialization and dropout: a warmup repeats exactly
         sft = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi, args.sft_batch_pi, args.seed,
-                               args.progress, args.micro_batch, args.weight_decay, dev_eval)
+                               args.progress, args.micro_batch, args.weight_decay, dev_eval, args.engine)
         metrics["pi_sft_loss_per_epoch"] = sft["losses"]
         metrics["pi_sft_dev_em_per_epoch"] = [e["em"] for e in sft["evals"]]
         metrics["pi_sft_epoch"] = sft["best"]["epoch"]
@@ -1411,7 +1398,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     m["mu_sft_loss_per_epoch"] = train_rubric_sft(mu, mu_items, args.sft_epochs_mu, args.sft_lr_mu,
                                                   args.sft_head_lr, args.score_weight, args.sft_batch_mu,
                                                   args.seed, args.progress, args.micro_batch, args.weight_decay,
-                                                  args.token_reduction)
+                                                  args.token_reduction, args.engine)
     if args.sft_head_steps:
         m["mu_head_fit_error"] = fit_score_head(mu, mu_items, args.sft_head_steps, args.sft_head_lr)
     m["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)

@@ -91,6 +91,16 @@ def test_decomposition_loss(case):
     assert s.grad.tolist() == pytest.approx(case["grad_s"])
 
 
+def test_decomposition_loss_of_a_pass_counts_only_its_trajectories():
+    """A pass holding trajectory 1 only (s = 0.1, −0.2, 0.5 of the first vector; R = [1, 0], |B| = 2): the
+    term of trajectory 1 alone, (0.4 − 0)² / 2 = 0.08, not trajectory 0's (0 − 1)² added; the two passes'
+    terms add up to the batch's 0.085."""
+    R = t64([1, 0])
+    second = arco.decomposition_loss(t64([0.1, -0.2, 0.5]), torch.tensor([1, 1, 1]), R, 2)
+    first = arco.decomposition_loss(t64([0.2, 0.3, 0.4]), torch.tensor([0, 0, 0]), R, 2)
+    assert float(second) == pytest.approx(0.08) and float(first + second) == pytest.approx(0.085)
+
+
 @pytest.mark.parametrize("case", V["rubric_loss"])
 def test_rubric_loss(case):
     loss = arco.rubric_loss(t64(case["s"]), torch.tensor(case["trajectory"]), t64(case["R"]), t64(case["kl_per_step"]),

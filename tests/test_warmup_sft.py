@@ -2,7 +2,6 @@
 warmup (collection → SFT → π_sft/, μ_sft/, metrics.json) end to end on the tiny model."""
 import dataclasses
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,48 +11,31 @@ import rubric_model as rm
 import warmup
 
 
-class FakeMu:
-    """Just enough of RubricModel to check Eq. 7's arithmetic with numbers chosen by hand."""
-
-    def __init__(self, mode):
-        self.rubric_mode, self.k = mode, 2
-        self.backbone = SimpleNamespace(device=torch.device("cpu"))
-
-    def rubric_from_criteria(self, criteria):
-        return rm.Rubric("", list(criteria), True, len(criteria), [1, 2])
-
-    def score(self, contexts, rubrics):
-        d = torch.tensor([[0.5, -0.5], [0.0, 1.0]])
-        return rm.StepScores(d, d.mean(-1))
-
-    def rubric_logprobs(self, contexts, rubrics):
-        lp = torch.tensor([[-1.5, -0.5], [-3.0, -1.0]])      # sums -2 and -4
-        return rm.ResponseLogprobs(lp, torch.ones_like(lp, dtype=torch.bool))
-
-    def forward(self, contexts, rubrics, text=True, kl=False):
-        """RubricModel.forward's contract: both heads from one pass (no text term without a rubric)."""
-        text_lp = self.rubric_logprobs(contexts, rubrics) if self.rubric_mode in ("adaptive", "prefix-free") else None
-        return self.score(contexts, rubrics), text_lp
-
-
-ITEMS = [dict(question="q", prefix="", action="Search[a]", searches_left=3, criteria=["c1", "c2"], scores=[0.3, -0.5]),
-         dict(question="q", prefix="h", action="Finish[b]", searches_left=2, criteria=["c3", "c4"], scores=[0.2, 0.6])]
+# Eq. 7's arithmetic with numbers chosen by hand: two steps, K = 2, rubrics of two tokens.
+D = torch.tensor([[0.5, -0.5], [0.0, 1.0]])
+TARGETS = torch.tensor([[0.3, -0.5], [0.2, 0.6]])
+LOGPROBS = torch.tensor([[-1.5, -0.5], [-3.0, -1.0]])           # sums -2 and -4
+MASK = torch.ones_like(LOGPROBS, dtype=torch.bool)
 
 
 def test_rubric_sft_loss_by_hand():
     # text: NLLs 2 and 4 -> mean 3. score: ||(0.2, 0)||² = 0.04, ||(-0.2, 0.4)||² = 0.2 -> mean 0.12.
     # Eq. 7 with λ = 10: 3 + 10 · 0.12 = 4.2
-    loss, text, score = warmup.rubric_sft_loss(FakeMu("adaptive"), ITEMS, lam=10.0)
+    loss, text, score = warmup.rubric_sft_loss(D, TARGETS, LOGPROBS, MASK, lam=10.0)
     assert float(text) == pytest.approx(3.0) and float(score) == pytest.approx(0.12) and float(loss) == pytest.approx(4.2)
     # w/o Rubric and static have no rubric text to learn: only λ · score error
-    loss, text, _ = warmup.rubric_sft_loss(FakeMu("none"), ITEMS, lam=10.0)
+    loss, text, _ = warmup.rubric_sft_loss(D, TARGETS, None, MASK, lam=10.0)
     assert float(text) == 0.0 and float(loss) == pytest.approx(1.2)
+    # a pass holding the first step of a batch of 2: its part of the batch's loss (0.5·2/... adds up)
+    first = warmup.rubric_sft_loss(D[:1], TARGETS[:1], LOGPROBS[:1], MASK[:1], 10.0, "sum", n_steps=2)[0]
+    second = warmup.rubric_sft_loss(D[1:], TARGETS[1:], LOGPROBS[1:], MASK[1:], 10.0, "sum", n_steps=2)[0]
+    assert float(first + second) == pytest.approx(4.2)
 
 
 def test_rubric_sft_loss_release_reduction_by_hand():
     # The release averages: text = (1.5 + 0.5 + 3.0 + 1.0) / 4 tokens = 1.5; score = the mean of the
     # 2 steps × K = 2 squared errors (0.04, 0, 0.04, 0.16) = 0.06; 1.5 + 10 · 0.06 = 2.1
-    loss, text, score = warmup.rubric_sft_loss(FakeMu("adaptive"), ITEMS, lam=10.0, token_reduction="mean")
+    loss, text, score = warmup.rubric_sft_loss(D, TARGETS, LOGPROBS, MASK, lam=10.0, token_reduction="mean")
     assert float(text) == pytest.approx(1.5) and float(score) == pytest.approx(0.06) and float(loss) == pytest.approx(2.1)
 
 
@@ -147,26 +129,27 @@ def test_pi_sft_backward_is_the_plain_token_mean(tiny_dir, tmp_path, retriever):
 
 
 @pytest.mark.parametrize("mode,reduction", [("adaptive", "sum"), ("adaptive", "mean"), ("none", "sum")])
-def test_rubric_sft_backward_is_rubric_sft_loss(tiny_dir, tmp_path, retriever, mode, reduction):
-    """The shared-prefix, packed μ SFT pass gives Eq. 7's loss and gradient (LoRA and score head) as
-    rubric_sft_loss computes them on the whole batch in one padded pass; whatever the micro-batch."""
+def test_rubric_sft_backward_is_the_same_on_both_engines(tiny_dir, tmp_path, retriever, mode, reduction):
+    """The fast engine's μ SFT passes (shared prefix, packed) give Eq. 7's loss and gradient (LoRA and score
+    head) of the plain engine on the whole batch in one pass (one ordinary forward per sequence); whatever
+    the micro-batch."""
     import env
     examples = env.load_split("synthetic", "train", size=2, seed=0)
     warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=2, K=3, progress=False)
     items = warmup.rubric_sft_examples(warmup.filter_records(env.read_jsonl(tmp_path / "records.jsonl"), 3)[0])[:5]
     torch.manual_seed(0)
     mu = rm.RubricModel(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), k=3, rubric_mode=mode)
-    rm.add_lora(mu.backbone)
+    rm.add_lora(mu.backbone, dropout=0.0)
     for p in rm.trainable_parameters(mu.backbone.model):
         p.data.normal_(0, 0.05)
     params = [p for g in mu.parameter_groups(1.0, 1.0) for p in g["params"]]
-    loss = warmup.rubric_sft_loss(mu, items, 10.0, reduction)[0]
-    want = torch.autograd.grad(loss, params)
+    loss = warmup.rubric_sft_backward(mu, items, 10.0, len(items), reduction, engine="plain")
+    want = [p.grad.clone() for p in params]
     for micro in (1, 2, 5):
         for p in params:
             p.grad = None
         got = warmup.rubric_sft_backward(mu, items, 10.0, micro, reduction)
-        assert got == pytest.approx(float(loss.detach()), rel=1e-5)
+        assert got == pytest.approx(loss, rel=1e-5)
         for g, p in zip(want, params):
             torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
 
