@@ -64,60 +64,33 @@ from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, RubricModel, ad
                           check_model_available, contexts_from_trajectory, damaged, load_backbone_checkpoint,
                           merge_lora, memory_estimate, policy_act, policy_sequences, reduce_tokens, save_backbone,
                           trainable_parameters, training_passes, write_manifest)
-from warmup import dev_rank, mu_dir_name
+from warmup import PRESETS, dev_rank, mu_dir_name
 
 
 @dataclass
-class Args:
+class Args(warmup.Settings):
+    """arco.py's knobs; those it shares with warmup.py are declared once, in warmup.Settings."""
     dataset: str = field(default="hotpotqa", metadata={"help": "hotpotqa, 2wiki, musique or synthetic",
                                                         "choices": ["hotpotqa", "2wiki", "musique", "synthetic"]})
-    preset: str = field(default="cpu", metadata={"help": "cpu (embedded SmolLM2, minutes on a laptop) or paper "
-                                                          "(Qwen3-4B and the authors' release recipe, one GPU)",
-                                                  "choices": ["cpu", "paper"]})
     name: str = field(default="", metadata={"help": "run name under runs/<dataset>/ (default: from --reward/--rubric/--k)"})
     out_dir: str = field(default="runs", metadata={"help": "root folder of all runs"})
-    data_dir: str = field(default="", metadata={"path": "dir", "help": "data folder (else $ARCO_DATA_DIR, else a download)"})
     warmup_dir: str = field(default="", metadata={"help": "the warmup folder (pi_sft/, mu_sft*/; default "
                                                            "runs/<dataset>/warmup); what is missing is trained first"})
     resume: bool = field(default=False, metadata={"help": "continue a killed run from its last finished epoch"})
     dry_run: bool = field(default=False, metadata={"help": "print the training schedule and the loss scales, then exit "
                                                             "(no data, no model)"})
-    seed: int = field(default=0, metadata={"help": "seed of data sampling, shuffling and sampling"})
     reward: str = field(default="arco", metadata={"help": "arco (μ's dense rewards after the sparse epochs) or "
                                                            "outcome (binary-EM REINFORCE throughout, no μ: Search-R1-style)",
                                                   "choices": ["arco", "outcome"]})
-    rubric: str = field(default="adaptive", metadata={"help": "μ variant (Table 2): adaptive, prefix-free (w/o Prefix), "
-                                                               "static (w/o Adaptive), none (w/o Rubric)",
-                                                       "choices": list(RUBRIC_MODES)})
-    k: int = field(default=3, metadata={"min": 1, "max": 9, "help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ... (under torchrun: each rank's "
-                                                          "cuda:LOCAL_RANK when CUDA is there)"})
-    dtype: str = field(default="auto", metadata={"help": "weight dtype of π and μ: auto (bfloat16 on CUDA, float32 on "
-                                                         "CPU), float32 or bfloat16 (the same knob in every script)",
-                                                 "choices": ["auto", "float32", "bfloat16"]})
-    autocast: str = field(default="auto", metadata={"help": "bf16 compute over float32 weights: auto (on for a CPU with "
-                                                            "native bf16), on, off; bf16 weights need none",
-                                                    "choices": ["auto", "on", "off"]})
     gpu_memory: float = field(default=80.0, metadata={"above": 0, "help": "GiB of the one device --dry-run's memory estimate "
                                                               "checks the run against (the paper: one 80 GB GPU)"})
-    engine: str = field(default="fast", metadata={"help": "how the updates' passes are computed: fast (shared "
-                                                           "beginnings once, packed) or plain (one forward per "
-                                                           "sequence: the code to read); the same numbers",
-                                                   "choices": list(ENGINES)})
     sampling: str = field(default="batch", metadata={
         "help": "π's random stream when sampling rollouts: batch (one draw over the generation batch, as "
                 "transformers' generate) or trajectory (one seeded stream per trajectory: the same rollouts "
                 "whatever the rank layout; a torchrun run needs it)", "choices": ["batch", "trajectory"]})
     # The fields below default to the preset's value (None = take it from the preset). The README's table
     # "paper | release | this implementation" says where each value comes from.
-    model: str | None = field(default=None, metadata={"help": "π's backbone: 'embedded' or an HF id/folder"})
-    mu_model: str | None = field(default=None, metadata={"help": "μ's backbone (RQ5); default: the same as --model"})
-    retriever: str | None = field(default=None, metadata={"help": "encoder of the top-1 retriever: '' = the embedded "
-                                                                   "all-MiniLM-L6-v2, or an HF id/folder (paper: SimCSE)"})
-    retriever_pooling: str | None = field(default=None, metadata={"help": "mean (MiniLM) or cls (SimCSE)",
-                                                                  "choices": ["mean", "cls"]})
     train_size: int | None = field(default=None, metadata={"min": 1, "help": "training questions (paper 2,000)"})
-    eval_size: int | None = field(default=None, metadata={"min": 1, "help": "dev questions evaluated (paper 500)"})
     epochs: int | None = field(default=None, metadata={"min": 1, "help": "RL epochs E (release 8)"})
     sparse_epochs: int | None = field(default=None, metadata={"help": "epochs trained on R(τ) alone before the dense "
                                                                        "ones (release 3: dense_start_epoch 3, 0-based; "
@@ -137,10 +110,6 @@ class Args:
     class_balance: bool | None = field(default=None, metadata={"help": "weight Eq. 5's decomposition term so that "
                                                                         "successes and failures weigh alike (release; "
                                                                         "not in the paper)"})
-    token_reduction: str | None = field(default=None, metadata={"help": "mean (release) or sum (the paper's Σ_i) over "
-                                                                         "the tokens of a step in the KL terms of Eq. 3 "
-                                                                         "and Eq. 5 and in Eq. 7 (see README)",
-                                                                 "choices": ["mean", "sum"]})
     rollout_temperature: float | None = field(default=None, metadata={"help": "π's sampling temperature (release 0.7)"})
     rubric_temperature: float | None = field(default=None, metadata={"help": "μ's temperature for r_t: 0 = greedy "
                                                                              "(release); the paper writes r_t ~ p_θ"})
@@ -153,95 +122,19 @@ class Args:
     kl_pi_dense: float | None = field(default=None, metadata={"help": "λ_π in dense epochs (Eq. 3; release 0.05)"})
     kl_mu: float | None = field(default=None, metadata={"help": "β, rubric-token KL(μ‖μ_ref) weight (Eq. 5; 0.05)"})
     alpha: float | None = field(default=None, metadata={"help": "α, dense reward scale (Eq. 3; 0.5)"})
-    weight_decay: float | None = field(default=None, metadata={"help": "AdamW weight decay of every optimizer, RL and "
-                                                                        "SFT (release 0.01)"})
     lora_dropout: float | None = field(default=None, metadata={"below": 1, "help": "dropout of π's and μ's RL LoRA adapters (release "
                                                                         "0.05); 0 makes a torchrun run's updates those "
                                                                         "of the single-process run"})
-    max_new_tokens_pi: int | None = field(default=None, metadata={"min": 1, "help": "π's max new tokens per action (64)"})
     max_new_tokens_mu: int | None = field(default=None, metadata={"min": 1, "help": "μ's max new tokens per rubric (128)"})
     max_searches: int | None = field(default=None, metadata={"min": 1, "help": "search budget (default: 3, MuSiQue 6)"})
-    obs_chars: int | None = field(default=None, metadata={"help": "observation cut, characters (0 = the whole paragraph)"})
-    micro_batch: int | None = field(default=None, metadata={"min": 1, "help": "sequences per SFT forward pass (memory; gradients "
-                                                                      "are accumulated)"})
     pass_tokens: int | None = field(default=None, metadata={"min": 1, "help": "most tokens in one training pass (memory): an update "
                                                                     "is cut into passes; a trajectory longer than this "
                                                                     "is recomputed in μ's backward (checkpointing)"})
-    gen_batch: int | None = field(default=None, metadata={"min": 1, "help": "prompts per generation batch (π and μ)"})
-    mu_examples: int | None = field(default=None, metadata={"max": 2, "help": "worked examples in μ's rubric prompt, 0-2 "
-                                                                      "(~200 tokens per step each)"})
-    warmup_size: int | None = field(default=None, metadata={"min": 1, "help": "warmup questions (release 1,000)"})
     warmup_questions: str | None = field(default=None, metadata={
         "help": "within: RL's training questions and the warmup's are the first of one seeded order, so the fewer "
                 "lie among the others (release: its 1,000 warmup questions among its 2,000); before: RL's training "
                 "questions leave out every question of the warmup's records (π was not fine-tuned on them)",
         "choices": ["within", "before"]})
-    warmup_samples: int | None = field(default=None, metadata={"min": 1, "help": "warmup: teacher trajectories per question "
-                                                                        "(release 3)"})
-    warmup_probe: int | None = field(default=None, metadata={"help": "μ SFT items on which the warmup shows Eq. 7's "
-                                                                       "terms before/after"})
-    sft_epochs_pi: int | None = field(default=None, metadata={"min": 1, "help": "warmup π SFT epochs (release 6; the best dev-EM "
-                                                                      "epoch is kept)"})
-    sft_epochs_mu: int | None = field(default=None, metadata={"min": 1, "help": "warmup μ SFT epochs (release 10; the last is kept)"})
-    sft_lr_pi: float | None = field(default=None, metadata={"help": "warmup π SFT learning rate (release 1e-5)"})
-    sft_lr_mu: float | None = field(default=None, metadata={"help": "warmup μ SFT learning rate (release 5e-5)"})
-    sft_head_lr: float | None = field(default=None, metadata={"help": "warmup μ score-head learning rate (release 1e-3)"})
-    sft_head_steps: int | None = field(default=None, metadata={
-        "help": "warmup: Adam steps fitting μ's score head alone after μ SFT (Eq. 7's score term; release 0)"})
-    sft_batch_pi: int | None = field(default=None, metadata={"min": 1, "help": "warmup π SFT examples per optimizer step (release 64)"})
-    sft_batch_mu: int | None = field(default=None, metadata={"min": 1, "help": "warmup μ SFT steps per optimizer step (release 32)"})
-    sft_questions_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT on the trajectories of the first "
-                                                                          "this many warmup questions (0 = all; release)"})
-
-
-# Presets: plain dicts. `paper` is the authors' release recipe for HotpotQA/Qwen (configs/hotpotqa/*.yaml and
-# src/training/rl_trainer.py of the public repository zihangtian/ARCO; the README's difference table lists every
-# value that is not the paper's text). `cpu` takes the same semantics at a laptop's size.
-PRESETS = {
-    "paper": dict(model="Qwen/Qwen3-4B-Instruct-2507", retriever="princeton-nlp/unsup-simcse-roberta-base",
-                  retriever_pooling="cls", train_size=2000, eval_size=500, epochs=8, sparse_epochs=3, batch_size=64,
-                  group_size=4, sparse_baseline="group", bucket_fallback=True, class_balance=True,
-                  token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0, pi_lr_sparse=1e-5,
-                  pi_lr_dense=3e-6, mu_lr=1e-5, head_lr=5e-4, kl_pi_sparse=0.0, kl_pi_dense=0.05, kl_mu=0.05,
-                  alpha=0.5, weight_decay=0.01, lora_dropout=0.05, max_new_tokens_pi=64, max_new_tokens_mu=128, obs_chars=0,
-                  micro_batch=16, pass_tokens=8192, gen_batch=64, mu_examples=0, warmup_size=1000, warmup_questions="within", warmup_samples=3, warmup_probe=32,
-                  sft_epochs_pi=6, sft_epochs_mu=10, sft_lr_pi=1e-5, sft_lr_mu=5e-5, sft_head_lr=1e-3,
-                  sft_head_steps=0, sft_batch_pi=64, sft_batch_mu=32, sft_questions_mu=0),
-    "cpu": dict(model="embedded", retriever="", retriever_pooling="mean", train_size=8, eval_size=100, epochs=2,
-                sparse_epochs=1, batch_size=16, group_size=4, sparse_baseline="group", bucket_fallback=True,
-                class_balance=True, token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0,
-                pi_lr_sparse=2e-4, pi_lr_dense=1e-4, mu_lr=1e-4, head_lr=1e-3, kl_pi_sparse=0.0, kl_pi_dense=0.05,
-                kl_mu=0.05, alpha=0.5, weight_decay=0.01, lora_dropout=0.05, max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300,
-                micro_batch=2, pass_tokens=1024, gen_batch=32, mu_examples=0, warmup_size=150, warmup_questions="within",
-                warmup_samples=2, warmup_probe=8, sft_epochs_pi=2, sft_epochs_mu=2, sft_lr_pi=5e-4, sft_lr_mu=3e-4,
-                sft_head_lr=1e-3, sft_head_steps=500, sft_batch_pi=8, sft_batch_mu=8, sft_questions_mu=8),
-}
-
-
-def resolve_args(args: Args) -> Args:
-    """Fill every preset-driven field the command line left unset, then check the combination."""
-    preset = dict(PRESETS[args.preset])
-    if args.warmup_size is None and args.train_size is not None:     # a smaller --train-size shrinks the warmup too
-        preset["warmup_size"] = min(preset["warmup_size"], args.train_size)
-    for key, value in preset.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.mu_model is None:
-        args.mu_model = args.model
-    if not args.name:
-        args.name = "outcome" if args.reward == "outcome" else \
-            "arco" + ("" if args.rubric == "adaptive" else f"-{args.rubric}") + ("" if args.k == 3 else f"-k{args.k}")
-    problems = []
-    if not 0 <= args.sparse_epochs <= args.epochs:
-        problems.append(f"--sparse-epochs {args.sparse_epochs} must be between 0 and --epochs {args.epochs}")
-    if args.group_size < 1 or args.batch_size % args.group_size:
-        problems.append(f"--batch-size {args.batch_size} (trajectories) must be a multiple of --group-size "
-                        f"{args.group_size}")
-    if args.sparse_baseline == "group" and args.group_size < 2 and (args.sparse_epochs or args.reward == "outcome"):
-        problems.append("--sparse-baseline group needs --group-size 2 or more (one sample is its own baseline: A = 0)")
-    if problems:
-        sys.exit("error: " + "; ".join(problems))
-    return args
 
 
 # ----------------------------------------------------------------------------------------
@@ -361,7 +254,7 @@ def outcome_advantages(R: Sequence[float], groups: Sequence | None = None) -> li
 
 
 def policy_loss(logp: torch.Tensor, advantages: torch.Tensor, n_trajectories: int,
-                kl_per_step: torch.Tensor | None = None, kl_coef: float = 0.0) -> torch.Tensor:
+                kl_per_step: torch.Tensor | None = None, kl_pi: float = 0.0) -> torch.Tensor:
     """Eq. 3: −(1/|B|) Σ_τ Σ_{t∈V_τ} A_{τ,t} log p_π(a_t|h_t) + λ_π L_KL^π.
 
     `logp`, `advantages` and `kl_per_step` hold one entry per valid step: log p_π(a_t|h_t) is the sum
@@ -371,8 +264,8 @@ def policy_loss(logp: torch.Tensor, advantages: torch.Tensor, n_trajectories: in
     accumulating over micro-batches: their losses then add up to the batch's.
     """
     loss = -(advantages.detach() * logp).sum() / n_trajectories
-    if kl_per_step is not None and kl_per_step.numel() and kl_coef:
-        loss = loss + kl_coef * kl_per_step.sum() / n_trajectories
+    if kl_per_step is not None and kl_per_step.numel() and kl_pi:
+        loss = loss + kl_pi * kl_per_step.sum() / n_trajectories
     return loss
 
 
@@ -422,10 +315,6 @@ def rubric_loss(s: torch.Tensor, trajectory: torch.Tensor, R: torch.Tensor,
 # One iteration of Algorithm 1 (lines 5–38)
 # ----------------------------------------------------------------------------------------
 
-def chunks(items: Sequence, size: int) -> list:
-    return [items[i:i + size] for i in range(0, len(items), max(1, size))]
-
-
 def annotate(mu, trajs, args: Args) -> tuple[list, list, torch.Tensor, torch.Tensor]:
     """Alg. 1, lines 15–19: μ writes r_t for every step and scores it: d_t, s_t (Eq. 2).
 
@@ -463,16 +352,6 @@ def advantages(trajs, s: torch.Tensor | None, dense: bool, args: Args) -> tuple[
                 per_bucket.setdefault(b, []).append(g)
     info = {"G": G, "buckets": buckets, "mean_G_per_bucket": {b: sum(v) / len(v) for b, v in per_bucket.items()}}
     return A, info
-
-
-class NonFiniteLoss(FloatingPointError):
-    pass
-
-
-def check_finite(name: str, value: float) -> None:
-    """Stop before a NaN or inf loss reaches the weights (the run keeps its last good checkpoint)."""
-    if not math.isfinite(value):
-        raise NonFiniteLoss(f"the {name} loss is {value}")
 
 
 def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_pi: float) -> dict:
@@ -619,6 +498,46 @@ def select_checkpoint(history: list[dict], sparse_epochs: int) -> dict:
 # ----------------------------------------------------------------------------------------
 # Plumbing: the warmup and the models, evaluation logs, checkpoints, --resume, Ctrl-C, reports
 # ----------------------------------------------------------------------------------------
+
+def resolve_args(args: Args) -> Args:
+    """Fill every preset-driven field the command line left unset, then check the combination."""
+    preset = dict(PRESETS[args.preset])
+    if args.warmup_size is None and args.train_size is not None:     # a smaller --train-size shrinks the warmup too
+        preset["warmup_size"] = min(preset["warmup_size"], args.train_size)
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.mu_model is None:
+        args.mu_model = args.model
+    if not args.name:
+        args.name = "outcome" if args.reward == "outcome" else \
+            "arco" + ("" if args.rubric == "adaptive" else f"-{args.rubric}") + ("" if args.k == 3 else f"-k{args.k}")
+    problems = []
+    if not 0 <= args.sparse_epochs <= args.epochs:
+        problems.append(f"--sparse-epochs {args.sparse_epochs} must be between 0 and --epochs {args.epochs}")
+    if args.group_size < 1 or args.batch_size % args.group_size:
+        problems.append(f"--batch-size {args.batch_size} (trajectories) must be a multiple of --group-size "
+                        f"{args.group_size}")
+    if args.sparse_baseline == "group" and args.group_size < 2 and (args.sparse_epochs or args.reward == "outcome"):
+        problems.append("--sparse-baseline group needs --group-size 2 or more (one sample is its own baseline: A = 0)")
+    if problems:
+        sys.exit("error: " + "; ".join(problems))
+    return args
+
+
+def chunks(items: Sequence, size: int) -> list:
+    return [items[i:i + size] for i in range(0, len(items), max(1, size))]
+
+
+class NonFiniteLoss(FloatingPointError):
+    pass
+
+
+def check_finite(name: str, value: float) -> None:
+    """Stop before a NaN or inf loss reaches the weights (the run keeps its last good checkpoint)."""
+    if not math.isfinite(value):
+        raise NonFiniteLoss(f"the {name} loss is {value}")
+
 
 def ensure_warmup(args: Args) -> Path:
     """π_sft/ and the μ this run needs (warmup.mu_dir_name) of the warmup (§3.2, App. B): the

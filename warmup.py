@@ -55,17 +55,108 @@ from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, RubricModel, St
 
 
 @dataclass
-class Args:
+class Settings:
+    """The knobs warmup.py and arco.py share, declared once (arco.Args and Args below extend them). Those
+    defaulting to None take the --preset's value (PRESETS); the README's table "paper | release | this
+    implementation" says where each value comes from."""
+    preset: str = field(default="cpu", metadata={"help": "cpu (embedded SmolLM2, minutes on a laptop) or paper "
+                                                          "(Qwen3-4B and the authors' release recipe, one GPU)",
+                                                  "choices": ["cpu", "paper"]})
+    model: str | None = field(default=None, metadata={"help": "π's backbone: 'embedded' or an HF id/folder"})
+    mu_model: str | None = field(default=None, metadata={"help": "μ's backbone (RQ5); default: the same as --model"})
+    rubric: str = field(default="adaptive", metadata={"help": "μ variant (Table 2): adaptive, prefix-free (w/o Prefix), "
+                                                               "static (w/o Adaptive), none (w/o Rubric)",
+                                                       "choices": list(RUBRIC_MODES)})
+    k: int = field(default=3, metadata={"min": 1, "max": 9, "help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ... (under torchrun: each rank's "
+                                                          "cuda:LOCAL_RANK when CUDA is there)"})
+    dtype: str = field(default="auto", metadata={"help": "weight dtype of π and μ: auto (bfloat16 on CUDA, float32 on "
+                                                         "CPU), float32 or bfloat16 (the same knob in every script)",
+                                                 "choices": ["auto", "float32", "bfloat16"]})
+    autocast: str = field(default="auto", metadata={"help": "bf16 compute over float32 weights: auto (on for a CPU with "
+                                                            "native bf16), on, off; bf16 weights need none",
+                                                    "choices": ["auto", "on", "off"]})
+    engine: str = field(default="fast", metadata={"help": "how the updates' passes are computed: fast (shared "
+                                                           "beginnings once, packed) or plain (one forward per "
+                                                           "sequence: the code to read); the same numbers",
+                                                   "choices": list(ENGINES)})
+    data_dir: str = field(default="", metadata={"path": "dir", "help": "data folder (else $ARCO_DATA_DIR, else a download)"})
+    seed: int = field(default=0, metadata={"help": "seed of data sampling, shuffling and sampling"})
+    retriever: str | None = field(default=None, metadata={"help": "encoder of the top-1 retriever: '' = the embedded "
+                                                                   "all-MiniLM-L6-v2, or an HF id/folder (paper: SimCSE)"})
+    retriever_pooling: str | None = field(default=None, metadata={"help": "mean (MiniLM) or cls (SimCSE)",
+                                                                  "choices": ["mean", "cls"]})
+    eval_size: int | None = field(default=None, metadata={"min": 1, "help": "dev questions evaluated (paper 500)"})
+    obs_chars: int | None = field(default=None, metadata={"help": "observation cut, characters (0 = the whole paragraph)"})
+    max_new_tokens_pi: int | None = field(default=None, metadata={"min": 1, "help": "π's max new tokens per action (64)"})
+    gen_batch: int | None = field(default=None, metadata={"min": 1, "help": "prompts per generation batch (π and μ)"})
+    micro_batch: int | None = field(default=None, metadata={"min": 1, "help": "sequences per SFT forward pass (memory; gradients "
+                                                                      "are accumulated)"})
+    token_reduction: str | None = field(default=None, metadata={"help": "mean (release) or sum (the paper's Σ_i) over "
+                                                                         "the tokens of a step in the KL terms of Eq. 3 "
+                                                                         "and Eq. 5 and in Eq. 7 (see README)",
+                                                                 "choices": ["mean", "sum"]})
+    weight_decay: float | None = field(default=None, metadata={"help": "AdamW weight decay of every optimizer, RL and "
+                                                                        "SFT (release 0.01)"})
+    mu_examples: int | None = field(default=None, metadata={"max": 2, "help": "worked examples in μ's rubric prompt, 0-2 "
+                                                                      "(~200 tokens per step each)"})
+    warmup_size: int | None = field(default=None, metadata={"min": 1, "help": "warmup questions (release 1,000)"})
+    warmup_samples: int | None = field(default=None, metadata={"min": 1, "help": "warmup: teacher trajectories per question "
+                                                                        "(release 3)"})
+    warmup_probe: int | None = field(default=None, metadata={"help": "μ SFT items on which the warmup shows Eq. 7's "
+                                                                       "terms before/after"})
+    sft_epochs_pi: int | None = field(default=None, metadata={"min": 1, "help": "warmup π SFT epochs (release 6; the best dev-EM "
+                                                                      "epoch is kept)"})
+    sft_epochs_mu: int | None = field(default=None, metadata={"min": 1, "help": "warmup μ SFT epochs (release 10; the last is kept)"})
+    sft_lr_pi: float | None = field(default=None, metadata={"help": "warmup π SFT learning rate (release 1e-5)"})
+    sft_lr_mu: float | None = field(default=None, metadata={"help": "warmup μ SFT learning rate (release 5e-5)"})
+    sft_head_lr: float | None = field(default=None, metadata={"help": "warmup μ score-head learning rate (release 1e-3)"})
+    sft_head_steps: int | None = field(default=None, metadata={
+        "help": "warmup: Adam steps fitting μ's score head alone after μ SFT (Eq. 7's score term; release 0)"})
+    sft_batch_pi: int | None = field(default=None, metadata={"min": 1, "help": "warmup π SFT examples per optimizer step (release 64)"})
+    sft_batch_mu: int | None = field(default=None, metadata={"min": 1, "help": "warmup μ SFT steps per optimizer step (release 32)"})
+    sft_questions_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT on the trajectories of the first "
+                                                                          "this many warmup questions (0 = all; release)"})
+
+
+# Presets: plain dicts, for both scripts (arco.py's knobs too). `paper` is the authors' release recipe for HotpotQA/Qwen (configs/hotpotqa/*.yaml and
+# src/training/rl_trainer.py of the public repository zihangtian/ARCO; the README's difference table lists every
+# value that is not the paper's text). `cpu` takes the same semantics at a laptop's size.
+PRESETS = {
+    "paper": dict(model="Qwen/Qwen3-4B-Instruct-2507", retriever="princeton-nlp/unsup-simcse-roberta-base",
+                  retriever_pooling="cls", train_size=2000, eval_size=500, epochs=8, sparse_epochs=3, batch_size=64,
+                  group_size=4, sparse_baseline="group", bucket_fallback=True, class_balance=True,
+                  token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0, pi_lr_sparse=1e-5,
+                  pi_lr_dense=3e-6, mu_lr=1e-5, head_lr=5e-4, kl_pi_sparse=0.0, kl_pi_dense=0.05, kl_mu=0.05,
+                  alpha=0.5, weight_decay=0.01, lora_dropout=0.05, max_new_tokens_pi=64, max_new_tokens_mu=128, obs_chars=0,
+                  micro_batch=16, pass_tokens=8192, gen_batch=64, mu_examples=0, warmup_size=1000, warmup_questions="within", warmup_samples=3, warmup_probe=32,
+                  sft_epochs_pi=6, sft_epochs_mu=10, sft_lr_pi=1e-5, sft_lr_mu=5e-5, sft_head_lr=1e-3,
+                  sft_head_steps=0, sft_batch_pi=64, sft_batch_mu=32, sft_questions_mu=0),
+    "cpu": dict(model="embedded", retriever="", retriever_pooling="mean", train_size=8, eval_size=100, epochs=2,
+                sparse_epochs=1, batch_size=16, group_size=4, sparse_baseline="group", bucket_fallback=True,
+                class_balance=True, token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0,
+                pi_lr_sparse=2e-4, pi_lr_dense=1e-4, mu_lr=1e-4, head_lr=1e-3, kl_pi_sparse=0.0, kl_pi_dense=0.05,
+                kl_mu=0.05, alpha=0.5, weight_decay=0.01, lora_dropout=0.05, max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300,
+                micro_batch=2, pass_tokens=1024, gen_batch=32, mu_examples=0, warmup_size=150, warmup_questions="within",
+                warmup_samples=2, warmup_probe=8, sft_epochs_pi=2, sft_epochs_mu=2, sft_lr_pi=5e-4, sft_lr_mu=3e-4,
+                sft_head_lr=1e-3, sft_head_steps=500, sft_batch_pi=8, sft_batch_mu=8, sft_questions_mu=8),
+}
+
+
+def fill_from_preset(args) -> None:
+    """Every field of `args` left None takes its --preset's value."""
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key, "absent") is None:
+            setattr(args, key, value)
+
+
+@dataclass
+class Args(Settings):
+    """warmup.py's knobs: the shared ones (Settings), then its own."""
     dataset: str = field(default="hotpotqa", metadata={
         "help": "hotpotqa, 2wiki, musique or synthetic (--check-gold also takes all)"})
-    data_dir: str = field(default="", metadata={"path": "dir",
-        "help": "folder with <dataset>/<split>.jsonl; else $ARCO_DATA_DIR, else a download"})
     split: str = field(default="train", metadata={
         "help": "split the warmup questions come from (with --check-gold: the split measured)"})
-    warmup_size: int = field(default=2000, metadata={"min": 1,
-        "help": "number of warmup questions, a deterministic sample of the training split (paper: 2,000; 0 = all)"})
-    seed: int = field(default=0, metadata={"help": "seed of the question sample and of the oracle's imperfect trajectories"})
-    warmup_samples: int = field(default=4, metadata={"min": 1, "help": "trajectories sampled per question (oracle: sample 0 is the gold one)"})
     temperature: float = field(default=1.0, metadata={
         "help": "sampling temperature of the API policy (release: 1.0, configs/hotpotqa/hotpotqa.yaml)"})
     teacher: str = field(default="oracle", metadata={
@@ -75,7 +166,6 @@ class Args:
         "help": "API model that acts as the policy (paper: gpt-4o-mini)"})
     teacher_rubric_model: str = field(default="gpt-4o-mini", metadata={
         "help": "API model that annotates whole trajectories with criteria and scores"})
-    k: int = field(default=3, metadata={"min": 1, "max": 9, "help": "criteria (and scores) per step (paper: 3)"})
     out_dir: str = field(default="", metadata={"help": "output folder; empty = runs/<dataset>/warmup"})
     max_retries: int = field(default=5, metadata={
         "help": "retries of an API call on HTTP 408/409/429/5xx, timeouts and connection errors"})
@@ -94,54 +184,17 @@ class Args:
         "help": "π SFT also requires every supporting paragraph to have been retrieved (no lucky guesses); "
                 "--no-require-evidence gives the paper's reward-only filter"})
     tol: float = field(default=1e-6, metadata={"above": 0, "help": "tolerance of the decomposition constraint (Eq. 6) when filtering"})
-    retriever: str = field(default="", metadata={"help": "HF encoder id or path; empty = embedded all-MiniLM-L6-v2"})
-    retriever_pooling: str = field(default="mean", metadata={"help": "mean (MiniLM) or cls (SimCSE)"})
-    obs_chars: int = field(default=400, metadata={"help": "observation length in characters (as in env.rollout)"})
     check_gold: bool = field(default=False, metadata={
         "help": "only measure how often the oracle's gold trajectories retrieve every supporting paragraph"})
     check_size: int = field(default=0, metadata={
         "help": "questions measured by --check-gold (0 = the whole split; synthetic: 200)"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
     collect_only: bool = field(default=False, metadata={"help": "stop after collection and the SFT datasets"})
-    model: str = field(default="embedded", metadata={"help": "π's backbone: 'embedded' (SmolLM2-135M-Instruct) or an HF id/folder"})
-    mu_model: str = field(default="", metadata={"help": "μ's backbone; empty = the same as --model"})
-    rubric: str = field(default="adaptive", metadata={"help": "μ variant (rubric_model.RUBRIC_MODES)",
-                                                       "choices": list(RUBRIC_MODES)})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, ..."})
-    dtype: str = field(default="auto", metadata={"help": "weight dtype of π and μ: auto (bfloat16 on CUDA, float32 on "
-                                                         "CPU), float32 or bfloat16 (the same knob in every script)",
-                                                 "choices": ["auto", "float32", "bfloat16"]})
-    autocast: str = field(default="auto", metadata={"help": "bf16 compute over float32 weights: auto (on for a CPU with "
-                                                            "native bf16), on, off; bf16 weights need none",
-                                                    "choices": ["auto", "on", "off"]})
-    sft_epochs_pi: int = field(default=6, metadata={"min": 1, "help": "π SFT epochs (release: 6)"})
-    sft_epochs_mu: int = field(default=10, metadata={"min": 1, "help": "μ SFT epochs (release: 10)"})
-    sft_lr_pi: float = field(default=1e-5, metadata={"help": "π SFT LoRA learning rate (release: 1e-5)"})
-    sft_lr_mu: float = field(default=5e-5, metadata={"help": "μ SFT LoRA learning rate (release: 5e-5)"})
-    sft_head_lr: float = field(default=1e-3, metadata={"help": "μ SFT score-head learning rate (release: 1e-3)"})
-    sft_head_steps: int = field(default=0, metadata={
-        "help": "after μ SFT, Adam steps on Eq. 7's score term over the score head alone, backbone fixed (0 = release)"})
     score_weight: float = field(default=10.0, metadata={"help": "λ of Eq. 7, the criterion-score loss weight (release: 10)"})
-    sft_batch_pi: int = field(default=64, metadata={"min": 1, "help": "π SFT examples per optimizer step (release: 64)"})
-    sft_batch_mu: int = field(default=32, metadata={"min": 1, "help": "μ SFT steps per optimizer step (release: 32)"})
-    sft_questions_mu: int = field(default=0, metadata={
-        "help": "μ SFT uses the trajectories of the first this many warmup questions (0 = all; release: all)"})
-    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay of both SFTs (release: 0.01)"})
-    token_reduction: str = field(default="mean", metadata={
-        "help": "Eq. 7: mean over tokens (and over the K scores; release) or sum (the paper's form)",
-        "choices": ["mean", "sum"]})
-    micro_batch: int = field(default=4, metadata={"min": 1, "help": "sequences per forward pass (gradients are accumulated)"})
-    engine: str = field(default="fast", metadata={"help": "how the SFT passes are computed: fast or plain (arco.py's "
-                                                           "--engine)", "choices": list(ENGINES)})
-    max_new_tokens_pi: int = field(default=64, metadata={"min": 1, "help": "π's max new tokens per action in the dev evaluation"})
-    eval_size: int = field(default=500, metadata={"min": 1, "help": "dev questions for the base / SFT-only evaluation and π SFT's "
-                                                          "choice of epoch (paper: 500)"})
-    warmup_probe: int = field(default=32, metadata={"help": "μ SFT items on which Eq. 7's two terms are shown before/after"})
     train_mu: bool = field(default=True, metadata={"help": "also train μ (arco.py's outcome baseline needs only π)"})
-    gen_batch: int = field(default=16, metadata={"min": 1, "help": "prompts per generation batch in the dev evaluation"})
-    mu_examples: int = field(default=0, metadata={"max": 2,
-        "help": "worked examples in μ's rubric prompt (0-2); each costs ~200 tokens per step, and the SFT "
-                "teaches the format, so none by default", "choices": [0, 1, 2]})
+
+    def __post_init__(self):
+        fill_from_preset(self)
 
 
 # ----------------------------------------------------------------------------------------
@@ -584,7 +637,7 @@ class OracleTeacher:
     trains μ (its Finish is scored as not fully supported) but is never a π SFT example.
     """
     name = "oracle"
-    group_size = 64   # questions per batched rollout
+    questions_per_call = 64   # questions per batched rollout
     workers = 1
 
     def __init__(self, seed: int = 0, obs_chars: int = 400):
@@ -825,7 +878,7 @@ class OpenAITeacher:
     skipped, never fatal). An annotation that cannot be parsed is asked for once more.
     """
     name = "openai"
-    group_size = 1   # one question (its k samples) per job: a failure skips just that question
+    questions_per_call = 1   # one question (its k samples) per job: a failure skips just that question
 
     def __init__(self, policy_model: str = "gpt-4o-mini", rubric_model: str = "gpt-4o-mini", temperature: float = 0.7,
                  max_retries: int = 5, backoff: float = 1.0, timeout: float = 60.0, concurrency: int = 8,
@@ -987,7 +1040,7 @@ def collect(examples: Sequence[env.Example], teacher, retriever, out_dir: str | 
             env.write_jsonl(out_dir / f"failures{ks}.jsonl", [rec], append=True)
             counts[f"failed_{rec['stage']}"] += 1
 
-    groups = [jobs[i:i + teacher.group_size] for i in range(0, len(jobs), teacher.group_size)]
+    groups = [jobs[i:i + teacher.questions_per_call] for i in range(0, len(jobs), teacher.questions_per_call)]
     bar = tqdm(total=len(jobs), desc=f"warmup {teacher.name}", unit="q", disable=not progress)
     if getattr(teacher, "workers", 1) <= 1:
         for g in groups:

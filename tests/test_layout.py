@@ -29,3 +29,35 @@ def test_imports_flow_one_way_at_the_top():
     inside = {(m, imp) for m in ORDER for imp in project_imports(m, nested=True)}
     assert inside == set()                              # no project import hides inside a function
     assert not any(imp == "diagnostics" for _, imp in every)    # nothing imports the diagnostics
+
+
+# The names of the engines (rubric_model's fast machinery) and of data parallelism (torchrun's ranks).
+MACHINERY = {"SharedPrefix", "pack", "packed_steps", "packed_hidden", "token_passes", "reference_logq", "backward_prefix",
+             "checkpoint", "training_passes", "plain_passes", "fast_passes", "engine", "pass_tokens",
+             "dp", "DataParallel", "share", "gather", "sum_gradients", "world", "rank", "mine", "barrier"}
+ALGORITHM = ("iteration", "policy_update", "rubric_update", "run")
+
+
+def arco_functions() -> dict:
+    tree = ast.parse((ROOT / "arco.py").read_text(encoding="utf-8"))
+    return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_the_algorithm_functions_name_no_engine_and_no_rank():
+    """Issue 32: Algorithm 1's functions hold its lines and Eq. 3–5, nothing of the engines or of torchrun."""
+    functions = arco_functions()
+    for name in ALGORITHM:
+        used = {n.id for n in ast.walk(functions[name]) if isinstance(n, ast.Name)} | \
+               {n.attr for n in ast.walk(functions[name]) if isinstance(n, ast.Attribute)}
+        assert used & MACHINERY == set(), name
+
+
+def test_the_algorithm_reads_in_500_lines_and_each_update_in_40():
+    """From the top of arco.py to the end of its algorithm part (knobs, schedule, equations, one iteration,
+    the run, checkpoint selection: everything before the "Plumbing" banner), and each update."""
+    lines = (ROOT / "arco.py").read_text(encoding="utf-8").splitlines()
+    plumbing = next(i for i, line in enumerate(lines) if line.startswith("# Plumbing"))
+    functions = arco_functions()
+    assert functions["select_checkpoint"].end_lineno < plumbing and plumbing - 1 <= 500
+    for name in ("policy_update", "rubric_update"):
+        assert functions[name].end_lineno - functions[name].lineno + 1 <= 40, name
