@@ -29,15 +29,18 @@ The equations are small named functions, tested against hand-worked numbers that
     step_buckets          Eq. 3–4    b(τ,t) ∈ {search_1, …, search_n, terminal}
     bucketed_advantages   Eq. 4      A_{τ,t} = α (G_{τ,t} − Ḡ_{B,b(τ,t)})
     outcome_advantages    Alg. 1, l. 31   A_τ = R(τ) − mean R over the batch or the question's group
-    reduce_tokens         Eq. 3, 5   a step's per-token KL: sum (paper) or mean (release)
+    reduce_tokens         Eq. 3, 5   a step's per-token KL: sum (paper) or mean (release) (rubric_model)
     policy_loss           Eq. 3      −(1/|B|) Σ_τ Σ_{t∈V_τ} A_{τ,t} log p_π(a_t|h_t) + λ_π L_KL
     class_weights         (release)  w_τ of the decomposition term
     decomposition_loss    Eq. 5      (1/|B|) Σ_τ w_τ (Σ_t s_t − R(τ))²
     rubric_loss           Eq. 5      decomposition_loss + β Σ_t KL_t / (steps or |B|)
 
-Read top to bottom: the knobs (Args, PRESETS), the schedule, the equations, one iteration, the run
-(`run`: the outer loop of Algorithm 1); the section marked "Plumbing" after it is bookkeeping only
-(warmup reuse, logs, checkpoints, --resume, Ctrl-C, reports).
+Read top to bottom: the knobs (Args; the settings shared with warmup.py and the PRESETS are declared once,
+in warmup.py), the schedule, the equations, one iteration, the run (`run`: the outer loop of Algorithm 1);
+the section marked "Plumbing" after it is bookkeeping only (argument checks, warmup reuse, the one call
+each that reaches the engines and torchrun's ranks, logs, checkpoints, --resume, Ctrl-C, reports). The
+updates read each pass's numbers from rubric_model.training_passes: `--engine plain` computes them one
+ordinary forward per sequence (the code to read first), `fast` (the default) the same numbers faster.
 """
 from __future__ import annotations
 

@@ -134,10 +134,9 @@ def test_lm_head_runs_only_where_needed(tiny):
 
 
 # ----------------------------------------------------------------------------- token_kl (Eq. 5)
-def test_token_kl_is_zero_for_identical_logits():
-    logits = torch.randn(2, 4, 7)
-    assert torch.allclose(token_kl(logits, logits), torch.zeros(2, 4), atol=1e-6)
-    assert torch.allclose(token_kl(logits, logits + 3.0), torch.zeros(2, 4), atol=1e-6)  # shift-invariant
+def test_token_kl_is_zero_for_identical_distributions():
+    logp = torch.log_softmax(torch.randn(2, 4, 7), -1)
+    assert torch.allclose(token_kl(logp, logp), torch.zeros(2, 4), atol=1e-6)
 
 
 def test_token_kl_matches_hand_computation_and_is_not_the_reverse():
@@ -146,10 +145,10 @@ def test_token_kl_matches_hand_computation_and_is_not_the_reverse():
     # KL(p‖q) = 0.5 ln(0.5/0.8) + 2 · 0.25 ln(0.25/0.1) = 0.5 ln(0.625) + 0.5 ln(2.5) = 0.5 ln(1.5625) = ln 1.25
     #         = 0.223144
     # KL(q‖p) = 0.8 ln(0.8/0.5) + 2 · 0.1 ln(0.1/0.25) = 0.8 · 0.470004 − 0.2 · 0.916291 = 0.192745
-    logits, ref_logits = p.log() + 1.7, q.log() - 0.4                 # unnormalized logits
-    assert token_kl(logits, ref_logits).item() == pytest.approx(math.log(1.25), abs=1e-6)
-    assert token_kl(ref_logits, logits).item() == pytest.approx(0.192745, abs=1e-6)
-    assert abs(token_kl(logits, ref_logits).item() - 0.192745) > 0.03
+    logp, ref_logp = torch.log_softmax(p.log() + 1.7, -1), torch.log_softmax(q.log() - 0.4, -1)   # from logits
+    assert token_kl(logp, ref_logp).item() == pytest.approx(math.log(1.25), abs=1e-6)
+    assert token_kl(ref_logp, logp).item() == pytest.approx(0.192745, abs=1e-6)
+    assert abs(token_kl(logp, ref_logp).item() - 0.192745) > 0.03
 
 
 # ----------------------------------------------------------------------------- sequence_logprobs
@@ -183,7 +182,7 @@ def test_response_kl_is_zero_for_a_fresh_adapter_and_positive_after_training(tin
         cur = tiny.model(input_ids=torch.tensor([[1, 70, 90, 91, 92]])).logits[0, 1:4]
         with reference(tiny):
             ref = tiny.model(input_ids=torch.tensor([[1, 70, 90, 91, 92]])).logits[0, 1:4]
-    assert torch.allclose(out.kl[1], token_kl(cur, ref), atol=1e-5)
+    assert torch.allclose(out.kl[1], token_kl(torch.log_softmax(cur, -1), torch.log_softmax(ref, -1)), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- LoRA and the reference
