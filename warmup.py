@@ -49,37 +49,25 @@ import torch
 
 import env
 from evaluate import main_guard, normalize_answer, parse_args
-from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, RubricModel, StepContext, add_lora,
+from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, ModelSettings, RubricModel, StepContext, add_lora,
                           chat_prompt_ids, check_model_available, encode_response, load_backbone, merge_lora,
                           policy_act, save_backbone, trainable_parameters, training_passes, write_atomically)
 
 
 @dataclass
-class Settings:
+class Settings(ModelSettings):
     """The knobs warmup.py and arco.py share, declared once (arco.Args and Args below extend them). Those
     defaulting to None take the --preset's value (PRESETS); the README's table "paper | release | this
     implementation" says where each value comes from."""
+    engine: str = field(default="fast", metadata={"help": "how the updates' passes are computed: fast (shared "
+                                                           "beginnings once, packed) or plain (one forward per "
+                                                           "sequence: the code to read); the same numbers",
+                                                   "choices": list(ENGINES)})
     preset: str = field(default="cpu", metadata={"help": "cpu (embedded SmolLM2, minutes on a laptop) or paper "
                                                           "(Qwen3-4B and the authors' release recipe, one GPU)",
                                                   "choices": ["cpu", "paper"]})
     model: str | None = field(default=None, metadata={"help": "π's backbone: 'embedded' or an HF id/folder"})
     mu_model: str | None = field(default=None, metadata={"help": "μ's backbone (RQ5); default: the same as --model"})
-    rubric: str = field(default="adaptive", metadata={"help": "μ variant (Table 2): adaptive, prefix-free (w/o Prefix), "
-                                                               "static (w/o Adaptive), none (w/o Rubric)",
-                                                       "choices": list(RUBRIC_MODES)})
-    k: int = field(default=3, metadata={"min": 1, "max": 9, "help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ... (under torchrun: each rank's "
-                                                          "cuda:LOCAL_RANK when CUDA is there)"})
-    dtype: str = field(default="auto", metadata={"help": "weight dtype of π and μ: auto (bfloat16 on CUDA, float32 on "
-                                                         "CPU), float32 or bfloat16 (the same knob in every script)",
-                                                 "choices": ["auto", "float32", "bfloat16"]})
-    autocast: str = field(default="auto", metadata={"help": "bf16 compute over float32 weights: auto (on for a CPU with "
-                                                            "native bf16), on, off; bf16 weights need none",
-                                                    "choices": ["auto", "on", "off"]})
-    engine: str = field(default="fast", metadata={"help": "how the updates' passes are computed: fast (shared "
-                                                           "beginnings once, packed) or plain (one forward per "
-                                                           "sequence: the code to read); the same numbers",
-                                                   "choices": list(ENGINES)})
     data_dir: str = field(default="", metadata={"path": "dir", "help": "data folder (else $ARCO_DATA_DIR, else a download)"})
     seed: int = field(default=0, metadata={"help": "seed of data sampling, shuffling and sampling"})
     retriever: str | None = field(default=None, metadata={"help": "encoder of the top-1 retriever: '' = the embedded "
