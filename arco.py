@@ -45,6 +45,7 @@ ordinary forward per sequence (the code to read first), `fast` (the default) the
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -73,8 +74,9 @@ from warmup import PRESETS, dev_rank, mu_dir_name
 @dataclass
 class Args(warmup.Settings):
     """arco.py's knobs; those it shares with warmup.py are declared once, in warmup.Settings."""
-    dataset: str = field(default="hotpotqa", metadata={"help": "hotpotqa, 2wiki, musique or synthetic",
-                                                        "choices": ["hotpotqa", "2wiki", "musique", "synthetic"]})
+    dataset: str = field(default="hotpotqa", metadata={"help": "hotpotqa, 2wiki, musique, synthetic (2-hop worlds) or "
+                                                                "synthetic-long (3-4 hops, look-alikes, budget 5)",
+                                                        "choices": list(env.DATASETS)})
     name: str = field(default="", metadata={"help": "run name under runs/<dataset>/ (default: from --reward/--rubric/--k)"})
     out_dir: str = field(default="runs", metadata={"help": "root folder of all runs"})
     warmup_dir: str = field(default="", metadata={"help": "the warmup folder (pi_sft/, mu_sft*/; default "
@@ -85,6 +87,10 @@ class Args(warmup.Settings):
     reward: str = field(default="arco", metadata={"help": "arco (μ's dense rewards after the sparse epochs) or "
                                                            "outcome (binary-EM REINFORCE throughout, no μ: Search-R1-style)",
                                                   "choices": ["arco", "outcome"]})
+    credit: str = field(default="mu", metadata={"help": "where the dense epochs' step scores s_t come from: mu (ARCO) or "
+                                                         "oracle (an analysis arm, not ARCO: each step's ground-truth "
+                                                         "usefulness projected so that Σ_t s_t = R(τ); no μ)",
+                                                 "choices": ["mu", "oracle"]})
     gpu_memory: float = field(default=80.0, metadata={"above": 0, "help": "GiB of the one device --dry-run's memory estimate "
                                                               "checks the run against (the paper: one 80 GB GPU)"})
     sampling: str = field(default="batch", metadata={
@@ -101,6 +107,9 @@ class Args(warmup.Settings):
     batch_size: int | None = field(default=None, metadata={"min": 1, "help": "trajectories per update (release 64): sparse "
                                                                     "epochs take batch_size / G questions × G samples, "
                                                                     "dense epochs batch_size questions × 1"})
+    dense_samples: int | None = field(default=None, metadata={"min": 1, "help": "samples per question in dense epochs "
+                                                                         "(release 1; G: as many updates per epoch as a "
+                                                                         "sparse one, for matched comparisons)"})
     group_size: int | None = field(default=None, metadata={"min": 1, "help": "G: samples per question in sparse epochs (release 4; "
                                                                     "Alg. 1's text: 1)"})
     sparse_baseline: str | None = field(default=None, metadata={"help": "baseline of R(τ) in sparse epochs: group (mean "
@@ -153,13 +162,14 @@ def is_dense(epoch: int, args: Args) -> bool:
 def epoch_plan(args: Args, n_train: int) -> list[dict]:
     """Per epoch: its phase and batch composition, as the release makes them. `batch_size` counts
     trajectories: a sparse epoch takes batch_size / G questions × G samples each (GRPO-style groups),
-    a dense epoch batch_size questions × 1 sample. Every epoch goes once through all n_train
+    a dense epoch batch_size questions × 1 sample (the release; --dense-samples G matches a dense epoch's
+    updates to a sparse one's, for a fair comparison of where the advantage comes from). Every epoch goes once through all n_train
     questions, the last batch smaller when they do not divide (no drop_last). `selectable` marks the
     epochs after the transition, among which the paper picks its checkpoint (§4.1)."""
     plan = []
     for epoch in range(1, args.epochs + 1):
         dense = is_dense(epoch, args)
-        samples = 1 if dense else args.group_size
+        samples = args.dense_samples if dense else args.group_size
         questions = args.batch_size // samples
         plan.append({"epoch": epoch, "dense": dense, "questions_per_batch": questions, "samples": samples,
                      "trajectories_per_update": questions * samples, "updates": math.ceil(n_train / questions),
@@ -270,6 +280,16 @@ def policy_loss(logp: torch.Tensor, advantages: torch.Tensor, n_trajectories: in
     if kl_per_step is not None and kl_per_step.numel() and kl_pi:
         loss = loss + kl_pi * kl_per_step.sum() / n_trajectories
     return loss
+
+
+def oracle_credit(useful: Sequence[bool], R: float) -> list[float]:
+    """The oracle-credit arm's s_t for one trajectory (an analysis arm, not in the paper: the ceiling of the
+    step credit any μ could give π): +1 for a useful step, −1 for a useless one (env.step_usefulness), all
+    shifted by one constant so that Σ_t s_t = R(τ), the decomposition Eq. 5 asks of μ; the order of the
+    steps' scores is kept."""
+    raw = [1.0 if u else -1.0 for u in useful]
+    shift = (float(R) - sum(raw)) / len(raw)
+    return [x + shift for x in raw]
 
 
 def class_weights(R: Sequence[float]) -> list[float]:
@@ -419,6 +439,8 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, phase: dict, ar
         t0 = time.time()
         contexts, rubrics, d, s = annotate(mu, trajs, args)                                      # lines 15–19
         row["seconds_mu_annotate"] = time.time() - t0
+    if args.credit == "oracle":                  # the analysis arm: ground-truth step credit in place of μ's
+        s = torch.tensor([x for t in trajs for x in oracle_credit(env.step_usefulness(t), t.reward)])
     A, info = advantages(trajs, s, phase["dense"], args)                                          # lines 26–32
     t0 = time.time()
     row.update(policy_update(pi, opt_pi, trajs, A, args, phase["kl_pi"]))                          # lines 33–35
@@ -513,7 +535,7 @@ def resolve_args(args: Args) -> Args:
     if args.mu_model is None:
         args.mu_model = args.model
     if not args.name:
-        args.name = "outcome" if args.reward == "outcome" else \
+        args.name = "outcome" if args.reward == "outcome" else "oracle-credit" if args.credit == "oracle" else \
             "arco" + ("" if args.rubric == "adaptive" else f"-{args.rubric}") + ("" if args.k == 3 else f"-k{args.k}")
     problems = []
     if not 0 <= args.sparse_epochs <= args.epochs:
@@ -523,6 +545,11 @@ def resolve_args(args: Args) -> Args:
                         f"{args.group_size}")
     if args.sparse_baseline == "group" and args.group_size < 2 and (args.sparse_epochs or args.reward == "outcome"):
         problems.append("--sparse-baseline group needs --group-size 2 or more (one sample is its own baseline: A = 0)")
+    if args.batch_size % args.dense_samples:
+        problems.append(f"--batch-size {args.batch_size} (trajectories) must be a multiple of --dense-samples "
+                        f"{args.dense_samples}")
+    if args.credit == "oracle" and args.reward == "outcome":
+        problems.append("--credit oracle needs --reward arco (outcome RL has no dense epochs)")
     if problems:
         sys.exit("error: " + "; ".join(problems))
     return args
@@ -547,7 +574,7 @@ def ensure_warmup(args: Args) -> Path:
     offline oracle warmup runs for whatever is missing. Runs that differ only in μ (the ablations,
     K, --mu-model) share one collection and one π SFT."""
     folder = Path(args.warmup_dir or Path(args.out_dir) / args.dataset / "warmup")
-    need = ["pi_sft"] + ([] if args.reward == "outcome" else [mu_folder(args)])
+    need = ["pi_sft"] + ([mu_folder(args)] if uses_mu(args) else [])
     warmup.check_retriever(folder, args.retriever, args.retriever_pooling)
     for name in need[1:]:                     # μ's folder, when this run needs one
         warmup.check_mu_settings(folder, name, args)
@@ -584,6 +611,11 @@ def training_questions(args: Args, warmup_dir: Path) -> list:
     return questions
 
 
+def uses_mu(args: Args) -> bool:
+    """ARCO trains μ; outcome RL and the oracle-credit arm have none."""
+    return args.reward == "arco" and args.credit == "mu"
+
+
 def mu_folder(args: Args) -> str:
     return mu_dir_name(args.rubric, args.k, args.mu_model, args.model)
 
@@ -596,7 +628,7 @@ def build_models(args: Args, warmup_dir: Path):
     if hasattr(pi.model, "peft_config"):
         merge_lora(pi)
     add_lora(pi, dropout=args.lora_dropout)
-    if args.reward == "outcome":
+    if not uses_mu(args):
         return pi, None
     mu = RubricModel.load(warmup_dir / mu_folder(args), **load)
     if mu.rubric_mode != args.rubric or mu.k != args.k:
@@ -634,8 +666,13 @@ def warmup_evaluation(warmup_dir: Path, args: Args) -> tuple[dict | None, list[d
     metrics = json.loads(path.read_text()) if path.is_file() else {}
     wanted = warmup.eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars, args.gen_batch)
     traces = warmup_dir / "eval_sft_only.jsonl"
-    if args.max_searches is not None or metrics.get("sft_only_settings") != wanted or not traces.is_file():
+    if args.max_searches is not None:
         return None, []
+    if metrics.get("sft_only_settings") != wanted or not traces.is_file():
+        cached = sft_only_cache(warmup_dir, wanted)          # another run's evaluation of the same π_sft
+        if not (cached / "traces.jsonl").is_file():
+            return None, []
+        metrics, traces = json.loads((cached / "metrics.json").read_text()), cached / "traces.jsonl"
     rows = [{**r, "epoch": 0, "batch": -1} for r in env.read_jsonl(traces)]
     for r in rows:
         for st in r["steps"]:
@@ -678,7 +715,24 @@ def sft_only_evaluation(run_dir: Path, warmup_dir: Path, pi, dev, args: Args, re
     if ev is None:
         ev, trajs = evaluate_policy(pi, dev, args, retriever)
         rows = trace_rows(trajs, 0, -1)
+        if dp.main and args.max_searches is None:  # kept beside the warmup: the next run of its settings reuses it
+            wanted = warmup.eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars,
+                                          args.gen_batch)
+            cache = sft_only_cache(warmup_dir, wanted)
+            tmp = cache.with_name(cache.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            env.write_jsonl(tmp / "traces.jsonl", [{k: v for k, v in r.items() if k not in ("epoch", "batch")}
+                                                   for r in rows])
+            env.write_json(tmp / "metrics.json", {"sft_only": ev, "sft_only_settings": wanted})
+            shutil.rmtree(cache, ignore_errors=True)
+            tmp.rename(cache)
     return log_evaluation(run_dir, 0, ev, rows)
+
+
+def sft_only_cache(warmup_dir: Path, wanted: dict) -> Path:
+    """Where the SFT-only evaluations made by runs (not by the warmup) are kept, one folder per settings:
+    the arms of a study that share a warmup and a seed evaluate epoch 0 once."""
+    return warmup_dir / "sft_only_evaluations" / hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def log_evaluation(run_dir: Path, epoch: int, ev: dict, rows: list[dict], dense: bool | None = None) -> dict:
@@ -729,14 +783,16 @@ def trace_rows(trajs, epoch: int, batch: int, rubrics=None, d=None, s=None, A=No
     for i, (t, flat) in enumerate(zip(trajs, env.step_ranges(trajs))):
         row = t.to_dict()
         row.update(epoch=epoch, batch=batch)
-        for j, st in enumerate(row["steps"]):
+        for j, (st, useful) in enumerate(zip(row["steps"], env.step_usefulness(t))):
             st["observation"] = st["observation"][:160]
+            st["useful"] = useful                 # the ground-truth label (env.step_usefulness), for μ's AUC
             if rubrics is not None:
                 st["criteria"] = rubrics[flat[j]].criteria
                 st["rubric_parsed"] = rubrics[flat[j]].parsed
                 if not rubrics[flat[j]].parsed:
                     st["rubric_text"] = rubrics[flat[j]].text[:300]     # what μ wrote, kept when unparseable
                 st["d"] = [round(x, 4) for x in d[flat[j]].tolist()]
+            if s is not None:
                 st["s"] = round(float(s[flat[j]]), 4)
             if info and "G" in info:
                 st["G"] = round(info["G"][i][j], 4)
@@ -1034,7 +1090,7 @@ def describe_plan(args: Args, n_train: int) -> str:
     plan = epoch_plan(args, n_train)
     lines = [f"preset {args.preset}, dataset {args.dataset}, reward {args.reward}: {n_train} training questions "
              f"(--train-size; fewer if the data holds fewer), {args.eval_size} dev questions, π = {args.model}, "
-             f"μ = {args.mu_model if args.reward == 'arco' else '(none)'}"]
+             f"μ = {args.mu_model if uses_mu(args) else '(none)'}"]
     for e in plan:
         kind = "dense " if e["dense"] else "sparse"
         baseline = (f"A = α (G_t − Ḡ_bucket), α {args.alpha}" + (", one-step buckets take the batch mean"

@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 import env
+from env import step_usefulness
 import warmup
 import arco
 import rubric_model
@@ -323,40 +324,6 @@ def redundancy_summary(per_step: Sequence[dict]) -> dict:
         vals = [r[key] for r in per_step if r.get(key) is not None]
         out[key] = sum(vals) / len(vals) if vals else None
         out[f"n_{key}"] = len(vals)
-    return out
-
-
-def step_usefulness(trajectory: Any, supporting: Sequence[int] | None = None) -> list[bool]:
-    """Ground-truth credit labels, one per step: True = useful, False = useless (issue 6: the AUC
-    of μ's s_t for useful vs useless steps on synthetic data, where the hops are known).
-
-    Useful: a valid Search whose retrieved paragraph is supporting and was not retrieved by an
-    earlier step, or a valid Finish whose answer is EM-correct. Useless: an invalid step, a
-    redundant Search (paragraph already retrieved), a wrong-entity Search (non-supporting
-    paragraph), a wrong Finish.
-
-    `trajectory` is an env.Trajectory, or its dict form (Trajectory.to_dict(), a row of a run's
-    traces/*.jsonl). The dict holds no supporting indices: pass `supporting` (the example's
-    `Example.supporting`), or a "supporting" key in the dict is used.
-    """
-    if not isinstance(trajectory, dict):  # an env.Trajectory
-        if supporting is None:
-            supporting = trajectory.example.supporting
-        trajectory = trajectory.to_dict()
-    if supporting is None:
-        supporting = trajectory.get("supporting")
-    if supporting is None:
-        raise ValueError(f"step_usefulness: trajectory {trajectory.get('id')!r} carries no supporting "
-                         f"paragraphs; pass supporting= (the example's Example.supporting)")
-    support, seen, out = set(supporting), set(), []
-    for st in trajectory["steps"]:
-        useful = False
-        if st.get("valid") and st.get("action") == "search" and st.get("retrieved") is not None:
-            useful = st["retrieved"] in support and st["retrieved"] not in seen
-            seen.add(st["retrieved"])
-        elif st.get("valid") and st.get("action") == "finish":
-            useful = exact_match(st.get("argument", ""), trajectory["gold"]) == 1.0
-        out.append(useful)
     return out
 
 
@@ -867,6 +834,8 @@ def method_of(row: dict) -> str:
     """The method a run row belongs to, whatever its seed: outcome RL, ARCO, ARCO w/o Rubric, …"""
     if row.get("reward") == "outcome":
         return "outcome RL"
+    if row.get("credit") == "oracle":
+        return "oracle credit"
     variant = {"adaptive": "", "none": " w/o Rubric", "static": " w/o Adaptive", "prefix-free": " w/o Prefix"}
     return "ARCO" + variant.get(row.get("rubric"), f" {row.get('rubric')}") + ("" if row.get("k") in (3, None)
                                                                                  else f" K={row['k']}")
@@ -906,6 +875,12 @@ def method_rows(rows: Sequence[dict], runs: Sequence[Run]) -> list[dict]:
         if row.get("run"):
             groups[method_of(row)].append(row)
     groups = split_by_settings(groups, by_run)
+    outcome: dict = {}                   # outcome RL's per-question EM, keyed (seed, question): the arms' baseline
+    for method, members in groups.items():
+        if method.startswith("outcome RL"):
+            for row in members:
+                run = by_run[row["run"]]
+                outcome.update({(run.args.get("seed"), q): v for q, v in question_em(run, run.epoch).items()})
     out = []
     for method, members in groups.items():
         before, after, sft = {}, {}, []
@@ -918,9 +893,13 @@ def method_rows(rows: Sequence[dict], runs: Sequence[Run]) -> list[dict]:
                 sft.append(sum(b.values()) / len(b))
         spread = lambda v: (sum(v) / len(v), (max(v) - min(v)) / 2) if v else (None, None)   # noqa: E731
         em, f1 = spread([m["em"] for m in members]), spread([m["f1"] for m in members])
+        by_seed = {(by_run[row["run"]].args.get("seed"), q): v for row in members
+                   for q, v in question_em(by_run[row["run"]], by_run[row["run"]].epoch).items()}
         out.append({"method": method, "runs": len(members), "em": em[0], "em_spread": em[1], "f1": f1[0],
                     "f1_spread": f1[1], "sft_only_em": sum(sft) / len(sft) if sft else None,
-                    "vs_sft_only": paired_difference(before, after)})
+                    "vs_sft_only": paired_difference(before, after),
+                    "vs_outcome": None if method.startswith("outcome RL") or not outcome else
+                    paired_difference(outcome, by_seed)})
     return out
 
 
@@ -932,9 +911,9 @@ def compare_runs(runs: Sequence[Run], split: str, data_dir: str | None, device: 
     for run in runs:
         scores = evaluation(run, split, data_dir, device, reevaluate, dtype)
         scores = {k: v for k, v in scores.items() if k not in ("checkpoint", "split")}   # the row says them
-        mu = run.args.get("reward") != "outcome"
+        mu = run.args.get("reward") != "outcome" and run.args.get("credit") != "oracle"
         rows.append({"system": run.name, "checkpoint": run.checkpoint + (" (selected)" if run.selected else ""),
-                     "run": str(run.dir), "reward": run.args.get("reward"),
+                     "run": str(run.dir), "reward": run.args.get("reward"), "credit": run.args.get("credit"),
                      "rubric": run.args.get("rubric") if mu else None, "k": run.args.get("k") if mu else None,
                      **scores,
                      "vs_sft_only": paired_difference(question_em(run, 0), question_em(run, run.epoch))
@@ -970,7 +949,8 @@ def comparison_markdown(comp: dict) -> str:
                   "EM (mean ± half range)": f"{m['em']:.1f} ± {m['em_spread']:.1f}",
                   "F1": f"{m['f1']:.1f} ± {m['f1_spread']:.1f}",
                   "SFT-only EM, same questions": pct(m["sft_only_em"]),
-                  "Δ EM vs SFT only ± 95% (pooled)": delta(m["vs_sft_only"])} for m in comp["methods"]]
+                  "Δ EM vs SFT only ± 95% (pooled)": delta(m["vs_sft_only"]),
+                  "Δ EM vs outcome RL, same seed ± 95%": delta(m.get("vs_outcome"))} for m in comp["methods"]]
         lines += ["By method, over its runs (seeds):", "", format_table(mrows, list(mrows[0])), ""]
     lines += ["Sources:", ""]
     lines += [f"- {r['system']}: {r['source']}" for r in comp["rows"]]
@@ -1563,6 +1543,84 @@ def loop_benchmark(args: arco.Args) -> dict:
     return result
 
 
+# --- the credit study (issue 33) ------------------------------------------------------------------------
+# Where step credit helps: on the long-horizon worlds, arms that differ only in where the advantage comes from,
+# from one shared warmup (π_sft), the same seed's batches, the same number of updates, trajectories per update,
+# π learning rate and λ_π. `oracle credit` is an analysis arm (not ARCO): the ground truth's step credit.
+STUDY_COMMON = ["--dataset", "synthetic-long", "--train-size", "64", "--epochs", "1", "--batch-size", "16",
+                "--group-size", "4", "--dense-samples", "4", "--pi-lr-sparse", "2e-4", "--pi-lr-dense", "2e-4",
+                "--kl-pi-sparse", "0", "--kl-pi-dense", "0", "--eval-size", "500"]
+STUDY_ARMS = {"outcome": ["--reward", "outcome"],                                 # R(τ) − the question's group mean
+              "oracle-credit": ["--credit", "oracle", "--sparse-epochs", "0"],     # dense, ground-truth s_t
+              "arco": ["--sparse-epochs", "0"],                                    # dense, μ's s_t
+              "arco-norubric": ["--sparse-epochs", "0", "--rubric", "none"]}       # dense, μ without r_t
+
+
+def update_aucs(run_dir: Path) -> list[dict]:
+    """Per update of an ARCO run, the AUC of s_t for useful vs useless steps of its own training batch, each
+    batch scored by the μ that scored it (no pooling across μ states), by step type: search, finish, all."""
+    out = []
+    for path in sorted((run_dir / "traces").glob("epoch_*.jsonl"), key=lambda f: int(f.stem.split("_")[1])):
+        batches: dict = defaultdict(list)
+        for row in env.read_jsonl(path):
+            batches[row["batch"]] += [st for st in row["steps"] if "s" in st and "useful" in st]
+        for b, steps in sorted(batches.items()):
+            row = {"epoch": int(path.stem.split("_")[1]), "batch": b}
+            for kind in ("search", "finish", "all"):
+                chosen = [st for st in steps if kind == "all" or (st.get("valid") and st.get("action") == kind)]
+                row[kind] = auc([st["s"] for st in chosen], [st["useful"] for st in chosen])
+            out.append(row)
+    return out
+
+
+def study(argv: Sequence[str]) -> Path:
+    """`python diagnostics.py --study [--seeds 0 1 2] [--arms outcome oracle-credit ...] [arco.py flags]`: the
+    credit study, resumable (a finished run is kept, an unfinished one resumed), then its table (paired 95%
+    intervals against outcome RL of the same seed), μ's per-update AUC and the learning curves, written to
+    <out-dir>/synthetic-long/study/."""
+    import argparse
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    pre.add_argument("--arms", nargs="+", default=list(STUDY_ARMS), choices=list(STUDY_ARMS))
+    own, rest = pre.parse_known_args(list(argv))
+    base = arco.resolve_args(parse_args(arco.Args, STUDY_COMMON + list(rest)))
+    root = Path(base.out_dir) / base.dataset
+    warm = ["--warmup-dir", str(root / "study-warmup")]
+    dirs = []
+    for seed in own.seeds:                    # every arm of a seed, then the next seed: results come in whole
+        for arm in own.arms:
+            name = f"{arm}-s{seed}"
+            run_dir = root / name
+            dirs.append(run_dir)
+            if (run_dir / "selection.json").is_file():
+                continue
+            resume = ["--resume"] if (run_dir / "args.json").is_file() else []
+            print(f"[study] {name}: {'resuming' if resume else 'starting'}", flush=True)
+            arco.main(STUDY_COMMON + list(rest) + STUDY_ARMS[arm] + warm + ["--seed", str(seed), "--name", name] + resume)
+    out = root / "study"
+    runs = [open_run(d) for d in dirs]
+    comp = compare_runs(runs, "dev", base.data_dir or None, base.device, False, base.dtype)
+    md = comparison_markdown(comp)
+    curves = {arm: [] for arm in own.arms}
+    for run in runs:
+        curves[run.name.rsplit("-s", 1)[0]].append(train_reward_series(env.read_jsonl(run.dir / "metrics.jsonl")))
+    mean_curve = lambda series: [(x, sum(s[i][1] for s in series) / len(series))           # noqa: E731
+                                 for i, (x, _) in enumerate(series[0])] if series else []
+    plot_lines({arm: mean_curve(s) for arm, s in curves.items()}, out / "train_reward.png",
+               "mean R(τ) of the training rollouts (mean over seeds)", "mean R", xlabel="update")
+    aucs = {run.name: update_aucs(run.dir) for run in runs if run.has_mu}
+    md += "\nμ's AUC on π's own training steps, per update (each batch scored by the μ that scored it):\n\n"
+    for name, rows in aucs.items():
+        fmt = lambda v: "–" if v is None else f"{v:.2f}"                                  # noqa: E731
+        md += f"- {name}: search " + " ".join(fmt(r["search"]) for r in rows) + "; finish " + \
+              " ".join(fmt(r["finish"]) for r in rows) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.md").write_text(md, encoding="utf-8")
+    env.write_json(out / "study.json", {"comparison": comp, "update_aucs": aucs})
+    print(md)
+    return out
+
+
 def run_command(args: "Args") -> None:
     """`--run`: the comparison table (printed and written), then with --diagnose the diagnostics."""
     runs = [open_run(f, args.checkpoint) for f in args.run]
@@ -1594,6 +1652,10 @@ def run_command(args: "Args") -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--study" in argv:               # the credit study takes arco.py's flags too (issue 33)
+        argv.remove("--study")
+        study(argv)
+        return
     if "--benchmark" in argv:           # the loop benchmark takes arco.py's flags (its preset, sizes, models)
         argv.remove("--benchmark")
         loop_benchmark(arco.resolve_args(parse_args(arco.Args, argv, description=loop_benchmark.__doc__)))

@@ -110,9 +110,10 @@ def write_json(path: str | Path, obj) -> None:
 # 1. Data
 # ----------------------------------------------------------------------------------------
 
-DATASETS = ("hotpotqa", "2wiki", "musique", "synthetic")
+DATASETS = ("hotpotqa", "2wiki", "musique", "synthetic", "synthetic-long")
 # Search budget of §4.1: 3 for HotpotQA and 2Wiki, 6 for MuSiQue; our 2-hop synthetic worlds use 3.
-DEFAULT_MAX_SEARCHES = {"hotpotqa": 3, "2wiki": 3, "musique": 6, "synthetic": 3}
+DEFAULT_MAX_SEARCHES = {"hotpotqa": 3, "2wiki": 3, "musique": 6, "synthetic": 3, "synthetic-long": 5}
+GENERATED = ("synthetic", "synthetic-long")          # worlds made on the fly, any number of questions
 
 # File names looked for in <root>/<dataset>/ (ours first, then the official release names).
 FILE_NAMES = {
@@ -346,10 +347,10 @@ def sample(examples: list, size: int | None, seed: int) -> list:
 def load_split(dataset: str, split: str, data_dir: str | None = None, size: int | None = None,
                seed: int = 0) -> list[Example]:
     """The examples of one split (paper: 2,000 train / 500 eval), sampled deterministically."""
-    if dataset == "synthetic":
+    if dataset in GENERATED:
         if split not in ("train", "dev"):
             raise DataError(f"unknown split '{split}': choose train or dev")
-        return synthetic_examples(size or 200, seed=seed, split=split)
+        return synthetic_examples(size or 200, seed=seed, split=split, long=dataset == "synthetic-long")
     path = find_data_file(dataset, split, data_dir)
     examples, _ = read_examples(path, dataset)
     if not examples:
@@ -438,10 +439,59 @@ def synthetic_record(rng: random.Random, uid: str) -> dict:
             "hops": [{"title": t, "query": qq, "answer": aa} for t, qq, aa in hops]}
 
 
-def synthetic_examples(n: int, seed: int = 0, split: str = "train") -> list[Example]:
-    """n synthetic examples, deterministic from (seed, split); train and dev use different streams."""
-    rng = random.Random(f"arco-synthetic-{seed}-{split}")
-    return [parse_hotpot_layout(synthetic_record(rng, f"syn-{split}-{seed}-{i:06d}"), "synthetic", f"synthetic #{i}")
+def synthetic_long_record(rng: random.Random, uid: str) -> dict:
+    """One 3- or 4-hop chain question over a fresh invented world with look-alike distractors (the
+    `synthetic-long` family, search budget 5: issue 33's worlds, where a trajectory can hold useful
+    searches and then a useless step).
+
+    The chain: person A works for organization O1, O1 was founded by person F; 3 hops ask F's birth year,
+    4 hops ask the city of F's own employer O2. Look-alikes: a person sharing A's surname and one sharing
+    F's, an organization sharing O1's first word: a careless query retrieves them. `hops` names the useful
+    searches and their paragraphs, as in synthetic_record.
+    """
+    people, orgs, _ = _world(rng, n_people=4)
+    a, f = people[0], people[1]
+    o1 = next(o for o in orgs if o["name"] == a["org"])
+    o2 = next(o for o in orgs if o["name"] == f["org"])
+    o1["founder"] = f["name"]
+    names = {p["name"] for p in people} | {o["name"] for o in orgs}
+
+    def look_alike(name: str, keep_last: bool) -> str:
+        first, last = name.split(" ", 1)
+        while (other := (f"{_word(rng, 2)} {last}" if keep_last else f"{first} {rng.choice(_ORG_KINDS)}")) in names:
+            pass
+        names.add(other)
+        return other
+    for p in (a, f):
+        people.append({**rng.choice(people[2:4]), "name": look_alike(p["name"], True), "born": rng.randint(1900, 2000)})
+    orgs.append({**rng.choice(orgs), "name": look_alike(o1["name"], False), "founded": rng.randint(1780, 1990),
+                 "founder": people[-1]["name"]})                       # founded by F's look-alike: a trap chain
+    for o in orgs:
+        o.setdefault("founder", rng.choice(people[2:])["name"])
+    hops = [(a["name"], f"{a['name']} employer", o1["name"]), (o1["name"], f"{o1['name']} founder", f["name"])]
+    if rng.random() < 0.5:
+        q, ans = f"In what year was the founder of the organization that {a['name']} works for born?", str(f["born"])
+        hops.append((f["name"], f"{f['name']} born", ans))
+    else:
+        q = f"In which city is the organization that employs the founder of {a['name']}'s employer based?"
+        ans = o2["city"]
+        hops += [(f["name"], f"{f['name']} employer", o2["name"]), (o2["name"], f"{o2['name']} city", ans)]
+    context = [_person_para(p) for p in people] + \
+        [[o["name"], [f"The {o['name']} was founded in {o['founded']} by {o['founder']}.", f" It is based in {o['city']}."]]
+         for o in orgs]
+    rng.shuffle(context)
+    return {"_id": uid, "question": q, "answer": ans, "type": f"chain-{len(hops)}", "level": "synthetic-long",
+            "supporting_facts": [[t, 0] for t, _, _ in hops], "context": context,
+            "hops": [{"title": t, "query": qq, "answer": aa} for t, qq, aa in hops]}
+
+
+def synthetic_examples(n: int, seed: int = 0, split: str = "train", long: bool = False) -> list[Example]:
+    """n synthetic examples, deterministic from (seed, split); train and dev use different streams. `long`:
+    the 3–4-hop family (synthetic_long_record) instead of the 2-hop one."""
+    name = "synthetic-long" if long else "synthetic"
+    rng = random.Random(f"arco-{name}-{seed}-{split}")
+    record = synthetic_long_record if long else synthetic_record
+    return [parse_hotpot_layout(record(rng, f"{'synl' if long else 'syn'}-{split}-{seed}-{i:06d}"), name, f"{name} #{i}")
             for i in range(n)]
 
 
@@ -772,6 +822,40 @@ def evaluate(examples: Sequence[Example], act: Callable[[list[list[dict]]], list
     return dev_metrics(trajs), trajs
 
 
+def step_usefulness(trajectory, supporting: Sequence[int] | None = None) -> list[bool]:
+    """Ground-truth credit labels, one per step: True = useful, False = useless (the AUC of μ's
+    s_t for useful vs useless steps where the hops are known; the oracle-credit arm of arco.py).
+
+    Useful: a valid Search whose retrieved paragraph is supporting and was not retrieved by an
+    earlier step, or a valid Finish whose answer is EM-correct. Useless: an invalid step, a
+    redundant Search (paragraph already retrieved), a wrong-entity Search (non-supporting
+    paragraph), a wrong Finish.
+
+    `trajectory` is an env.Trajectory, or its dict form (Trajectory.to_dict(), a row of a run's
+    traces/*.jsonl). The dict holds no supporting indices: pass `supporting` (the example's
+    `Example.supporting`), or a "supporting" key in the dict is used.
+    """
+    if not isinstance(trajectory, dict):  # an env.Trajectory
+        if supporting is None:
+            supporting = trajectory.example.supporting
+        trajectory = trajectory.to_dict()
+    if supporting is None:
+        supporting = trajectory.get("supporting")
+    if supporting is None:
+        raise ValueError(f"step_usefulness: trajectory {trajectory.get('id')!r} carries no supporting "
+                         f"paragraphs; pass supporting= (the example's Example.supporting)")
+    support, seen, out = set(supporting), set(), []
+    for st in trajectory["steps"]:
+        useful = False
+        if st.get("valid") and st.get("action") == "search" and st.get("retrieved") is not None:
+            useful = st["retrieved"] in support and st["retrieved"] not in seen
+            seen.add(st["retrieved"])
+        elif st.get("valid") and st.get("action") == "finish":
+            useful = exact_match(st.get("argument", ""), trajectory["gold"]) == 1.0
+        out.append(useful)
+    return out
+
+
 def dev_metrics(trajs: Sequence[Trajectory]) -> dict:
     """evaluate's numbers from its trajectories (a data-parallel run computes them on all ranks' trajectories)."""
     n = max(len(trajs), 1)
@@ -791,8 +875,8 @@ def load_report(datasets: Sequence[str], splits: Sequence[str], data_dir: str | 
     rows = []
     for ds in datasets:
         for sp in splits:
-            if ds == "synthetic":
-                n = len(synthetic_examples(200, split=sp))
+            if ds in GENERATED:
+                n = len(synthetic_examples(200, split=sp, long=ds == "synthetic-long"))
                 rows.append({"dataset": ds, "split": sp, "file": "(generated)", "loaded": n, "skipped": "0"})
                 continue
             path = find_data_file(ds, sp, data_dir)
@@ -822,7 +906,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                           f"the titled paragraph itself {100 * r['same_paragraph']:.1f}%")
             return
         for row in load_report(datasets, splits, args.data_dir):
-            print(f"{row['dataset']:>9}/{row['split']:<5} loaded {row['loaded']:>5}  skipped {row['skipped']:<24} {row['file']}")
+            print(f"{row['dataset']:>14}/{row['split']:<5} loaded {row['loaded']:>5}  skipped {row['skipped']:<24} {row['file']}")
     except DataError as e:
         sys.exit(f"error: {e}")
 

@@ -113,7 +113,7 @@ class Settings(ModelSettings):
 PRESETS = {
     "paper": dict(model="Qwen/Qwen3-4B-Instruct-2507", retriever="princeton-nlp/unsup-simcse-roberta-base",
                   retriever_pooling="cls", train_size=2000, eval_size=500, epochs=8, sparse_epochs=3, batch_size=64,
-                  group_size=4, sparse_baseline="group", bucket_fallback=True, class_balance=True,
+                  group_size=4, dense_samples=1, sparse_baseline="group", bucket_fallback=True, class_balance=True,
                   token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0, pi_lr_sparse=1e-5,
                   pi_lr_dense=3e-6, mu_lr=1e-5, head_lr=5e-4, kl_pi_sparse=0.0, kl_pi_dense=0.05, kl_mu=0.05,
                   alpha=0.5, weight_decay=0.01, lora_dropout=0.05, max_new_tokens_pi=64, max_new_tokens_mu=128, obs_chars=0,
@@ -121,7 +121,7 @@ PRESETS = {
                   sft_epochs_pi=6, sft_epochs_mu=10, sft_lr_pi=1e-5, sft_lr_mu=5e-5, sft_head_lr=1e-3,
                   sft_head_steps=0, sft_batch_pi=64, sft_batch_mu=32, sft_questions_mu=0),
     "cpu": dict(model="embedded", retriever="", retriever_pooling="mean", train_size=8, eval_size=100, epochs=2,
-                sparse_epochs=1, batch_size=16, group_size=4, sparse_baseline="group", bucket_fallback=True,
+                sparse_epochs=1, batch_size=16, group_size=4, dense_samples=1, sparse_baseline="group", bucket_fallback=True,
                 class_balance=True, token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0,
                 pi_lr_sparse=2e-4, pi_lr_dense=1e-4, mu_lr=1e-4, head_lr=1e-3, kl_pi_sparse=0.0, kl_pi_dense=0.05,
                 kl_mu=0.05, alpha=0.5, weight_decay=0.01, lora_dropout=0.05, max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300,
@@ -142,7 +142,7 @@ def fill_from_preset(args) -> None:
 class Args(Settings):
     """warmup.py's knobs: the shared ones (Settings), then its own."""
     dataset: str = field(default="hotpotqa", metadata={
-        "help": "hotpotqa, 2wiki, musique or synthetic (--check-gold also takes all)"})
+        "help": "hotpotqa, 2wiki, musique, synthetic or synthetic-long (--check-gold also takes all)"})
     split: str = field(default="train", metadata={
         "help": "split the warmup questions come from (with --check-gold: the split measured)"})
     temperature: float = field(default=1.0, metadata={
@@ -1587,7 +1587,7 @@ def run_from_arco(a, out_dir: Path) -> Path:
     """The offline oracle warmup with the settings of an arco.py run (its preset and flags): every
     setting the two scripts share has the same name in both, so it is copied by name."""
     shared = {f.name: getattr(a, f.name) for f in dataclasses.fields(Args) if hasattr(a, f.name)}
-    return run(Args(**{**shared, "out_dir": str(out_dir), "train_mu": a.reward != "outcome"}))
+    return run(Args(**{**shared, "out_dir": str(out_dir), "train_mu": a.reward == "arco" and a.credit == "mu"}))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

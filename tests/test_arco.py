@@ -306,6 +306,24 @@ def test_the_whole_loop_writes_the_same_numbers_on_both_engines(tiny_run, tiny_d
     assert len(rows["fast"]) == 6 and first_difference(rows["plain"], rows["fast"]) is None
 
 
+def test_the_oracle_credit_arm_scores_steps_by_their_ground_truth(tiny_run, tiny_dir):
+    """--credit oracle (issue 33's analysis arm): no μ is loaded or trained, and the dense epoch's s_t are
+    oracle_credit of each step's ground-truth label (written in the traces), Σ_t s_t = R(τ)."""
+    warm = tiny_run / "synthetic" / "warmup"
+    arco.main(tiny_args(tiny_dir, tiny_run, credit="oracle", warmup_dir=warm))
+    run = tiny_run / "synthetic" / "oracle-credit"
+    assert not (run / "checkpoints" / "epoch_2" / "mu").exists()
+    updates = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "update"]
+    assert [r["dense"] for r in updates] == [False, False, True] and "rubric_loss" not in updates[-1]
+    for row in read_jsonl(run / "traces" / "epoch_2.jsonl"):
+        s = [st["s"] for st in row["steps"]]
+        assert s == pytest.approx(arco.oracle_credit([st["useful"] for st in row["steps"]], row["reward"]), abs=1e-4)
+        assert sum(s) == pytest.approx(row["reward"], abs=1e-3)
+        assert [st["G"] for st in row["steps"]] == pytest.approx(arco.reward_to_go(s), abs=1e-3)
+    with pytest.raises(SystemExit, match="--credit oracle needs --reward arco"):
+        arco.main(tiny_args(tiny_dir, tiny_run, credit="oracle", reward="outcome", warmup_dir=warm))
+
+
 def test_learning_rate_and_kl_switch_at_the_transition(tiny_run, tiny_dir, monkeypatch):
     """Sparse epochs update π with --pi-lr-sparse and λ_π = --kl-pi-sparse, dense ones with the dense
     values (the cpu preset's 2e-4 / 0 and 1e-4 / 0.05); AdamW with the release's weight decay."""

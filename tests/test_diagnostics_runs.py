@@ -489,3 +489,35 @@ def test_diagnose_plots_page_and_printed_paths(diagnosed, runs):
     for f in ("diagnostics.md", "diagnostics.json", "trajectories.html", "comparison.md"):
         assert str(run / f) in out
     assert not (runs / "arco-k7" / "diagnostics.json").exists()              # one run is diagnosed
+
+
+def test_the_credit_study_branches_its_arms_from_one_start_and_resumes(tiny_dir, tmp_path):
+    """diagnostics.py --study (issue 33) on the tiny model, one seed, outcome RL and oracle credit: both arms
+    share the warmup and epoch 0 (evaluated once), start from the same weights and draw the same first batch
+    (the same questions and, the same π sampling them with the same seed, the same rollouts), make the same
+    number of updates of the same size; the table pairs oracle credit with outcome RL of the same seed; a
+    second call finds every run finished and trains nothing."""
+    argv = tiny_args(tiny_dir, tmp_path, train_size=4, eval_size=3, group_size=2, dense_samples=2, batch_size=4,
+                     epochs=1) + ["--seeds", "0", "--arms", "outcome", "oracle-credit"]
+    out = dg.study([a for a in argv if a not in ("--dataset", "synthetic")])
+    root = tmp_path / "synthetic-long"
+    first = {}
+    for arm in ("outcome", "oracle-credit"):
+        rows = read_jsonl(root / f"{arm}-s0" / "metrics.jsonl")
+        updates = [r for r in rows if r["kind"] == "update"]
+        assert [(r["trajectories"], r["questions"]) for r in updates] == [(4, 2), (4, 2)]
+        assert [r["dense"] for r in updates] == ([False, False] if arm == "outcome" else [True, True])
+        batch0 = [t for t in read_jsonl(root / f"{arm}-s0" / "traces" / "epoch_1.jsonl") if t["batch"] == 0]
+        first[arm] = [(t["id"], [st["output"] for st in t["steps"]]) for t in batch0]
+    assert first["outcome"] == first["oracle-credit"]
+    cache = root / "study-warmup" / "sft_only_evaluations"                  # epoch 0: the warmup's, or one
+    assert not cache.exists() or len(list(cache.iterdir())) <= 1             # evaluation shared by the arms
+    table = (out / "study.md").read_text()
+    assert "oracle credit" in table and "Δ EM vs outcome RL, same seed" in table
+    study_json = json.loads((out / "study.json").read_text())
+    vs = [m for m in study_json["comparison"]["methods"] if m["method"] == "oracle credit"][0]["vs_outcome"]
+    assert vs["n"] == 3                                         # the 3 dev questions, paired
+    assert (out / "train_reward.png").stat().st_size > 1000
+    stamp = (root / "outcome-s0" / "metrics.jsonl").stat().st_mtime_ns
+    dg.study([a for a in argv if a not in ("--dataset", "synthetic")])
+    assert (root / "outcome-s0" / "metrics.jsonl").stat().st_mtime_ns == stamp

@@ -142,7 +142,7 @@ def test_env_cli_reports_every_file(data_dir):
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert len(lines) == 8 and "hotpotqa/dev   loaded   300  skipped 0" in r.stdout
+    assert len(lines) == 10 and "hotpotqa/dev   loaded   300  skipped 0" in r.stdout    # 5 datasets × 2 splits
 
 
 def test_sampling_is_deterministic_and_nested(data_dir):
@@ -178,6 +178,43 @@ def test_synthetic_worlds_are_consistent():
             assert ex.answer == ex.hops[1]["answer"]
         elif ex.answer not in ("yes", "no"):
             assert ex.answer in [ex.paragraphs[h["paragraph"]][0] for h in ex.hops]
+
+
+def test_long_synthetic_worlds_are_chains_with_look_alikes():
+    """synthetic-long (issue 33): 3- and 4-hop chains A → employer → founder (→ born, or → employer → city),
+    budget 5; each hop's answer is named in its paragraph and is the next hop's title; every chain has
+    look-alike distractors (a person sharing a surname with A and with the founder, an organization sharing
+    the first word of A's employer), deterministic and split-disjoint as the 2-hop family."""
+    examples = env.load_split("synthetic-long", "dev", size=200)
+    assert {e.type for e in examples} == {"chain-3", "chain-4"} and env.DEFAULT_MAX_SEARCHES["synthetic-long"] == 5
+    assert [e.question for e in examples[:5]] == [e.question for e in env.load_split("synthetic-long", "dev", size=5)]
+    assert not {e.question for e in examples} & {e.question for e in env.load_split("synthetic-long", "train", size=200)}
+    for ex in examples:
+        titles = [t for t, _ in ex.paragraphs]
+        assert len(set(titles)) == len(titles) == 11 and ex.dataset == "synthetic-long"
+        assert [h["paragraph"] for h in ex.hops] == ex.supporting and len(ex.hops) == int(ex.type[-1])
+        for hop, nxt in zip(ex.hops, ex.hops[1:]):
+            assert hop["answer"] in ex.paragraphs[hop["paragraph"]][1] and hop["answer"] == titles[nxt["paragraph"]]
+        assert ex.answer == ex.hops[-1]["answer"] and ex.answer in ex.paragraphs[ex.hops[-1]["paragraph"]][1]
+        a, employer, founder = (titles[h["paragraph"]] for h in ex.hops[:3])
+        for name in (a, founder):
+            assert sum(t.split(" ", 1)[-1] == name.split(" ", 1)[1] for t in titles) >= 2     # a look-alike person
+        assert sum(t.split(" ")[0] == employer.split(" ")[0] for t in titles) >= 2           # a look-alike org
+
+
+def test_step_usefulness_labels_a_long_chain_by_hand(retriever):
+    """The oracle's gold trajectory on a long chain: every step useful (R = 1); a look-alike search, a repeat
+    and a wrong answer are useless (the ground truth of the oracle-credit arm)."""
+    ex = env.load_split("synthetic-long", "dev", size=1)[0]
+    titles = [t for t, _ in ex.paragraphs]
+    gold = env.rollout([ex], oracle([ex]), retriever)[0]
+    assert gold.reward == 1.0 and env.step_usefulness(gold) == [True] * (len(ex.hops) + 1)
+    a = titles[ex.hops[0]["paragraph"]]
+    alike = next(t for t in titles if t != a and t.split(" ", 1)[-1] == a.split(" ", 1)[1])
+    script = scripted({ex.question: [f"Search[{a}]", f"Search[{alike}]", f"Search[{a}]", "Finish[nowhere at all]"]})
+    traj = env.rollout([ex], script, retriever)[0]
+    assert [st.retrieved for st in traj.steps[:3]] == [titles.index(a), titles.index(alike), titles.index(a)]
+    assert env.step_usefulness(traj) == [True, False, False, False] and traj.reward == 0.0
 
 
 def test_oracle_gets_reward_one_on_every_synthetic_example(retriever):

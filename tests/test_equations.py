@@ -101,6 +101,14 @@ def test_decomposition_loss_of_a_pass_counts_only_its_trajectories():
     assert float(second) == pytest.approx(0.08) and float(first + second) == pytest.approx(0.085)
 
 
+@pytest.mark.parametrize("case", V["oracle_credit"])
+def test_oracle_credit(case):
+    s = arco.oracle_credit(case["useful"], case["R"])
+    assert s == pytest.approx(case["s"]) and sum(s) == pytest.approx(case["R"])           # Σ_t s_t = R(τ)
+    useful = [x for x, u in zip(s, case["useful"]) if u]
+    assert all(u > x for u in useful for x, k in zip(s, case["useful"]) if not k)         # order kept
+
+
 @pytest.mark.parametrize("case", V["rubric_loss"])
 def test_rubric_loss(case):
     loss = arco.rubric_loss(t64(case["s"]), torch.tensor(case["trajectory"]), t64(case["R"]), t64(case["kl_per_step"]),

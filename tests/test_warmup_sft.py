@@ -189,7 +189,9 @@ def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
     out = tmp_path / "warmup"
     args = warmup.Args(dataset="synthetic", warmup_size=3, warmup_samples=2, eval_size=3, out_dir=str(out),
                        model=str(tiny_dir), device="cpu", sft_epochs_pi=2, sft_epochs_mu=1, sft_batch_pi=4,
-                       sft_batch_mu=4, micro_batch=4, max_new_tokens_pi=8, warmup_probe=4, progress=False)
+                       sft_batch_mu=4, micro_batch=4, max_new_tokens_pi=8, warmup_probe=4, progress=False,
+                       sft_head_steps=0)              # the release's (the cpu preset fits the head: 500 steps)
+    assert args.sft_questions_mu == 8 and args.preset == "cpu"     # the rest: the cpu preset, as in arco.py
     warmup.run(args)
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics) >= {"base", "sft_only", "mu_sft_terms_before", "mu_sft_terms_after"}
