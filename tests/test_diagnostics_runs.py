@@ -498,7 +498,7 @@ def test_the_credit_study_branches_its_arms_from_one_start_and_resumes(tiny_dir,
     number of updates of the same size; the table pairs oracle credit with outcome RL of the same seed; a
     second call finds every run finished and trains nothing."""
     argv = tiny_args(tiny_dir, tmp_path, train_size=4, eval_size=3, group_size=2, dense_samples=2, batch_size=4,
-                     epochs=1) + ["--seeds", "0", "--arms", "outcome", "oracle-credit"]
+                     epochs=1, warmup_size=4) + ["--seeds", "0", "--arms", "outcome", "oracle-credit"]
     out = dg.study([a for a in argv if a not in ("--dataset", "synthetic")])
     root = tmp_path / "synthetic-long"
     first = {}
