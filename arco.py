@@ -282,16 +282,6 @@ def policy_loss(logp: torch.Tensor, advantages: torch.Tensor, n_trajectories: in
     return loss
 
 
-def oracle_credit(useful: Sequence[bool], R: float) -> list[float]:
-    """The oracle-credit arm's s_t for one trajectory (an analysis arm, not in the paper: the ceiling of the
-    step credit any μ could give π): +1 for a useful step, −1 for a useless one (env.step_usefulness), all
-    shifted by one constant so that Σ_t s_t = R(τ), the decomposition Eq. 5 asks of μ; the order of the
-    steps' scores is kept."""
-    raw = [1.0 if u else -1.0 for u in useful]
-    shift = (float(R) - sum(raw)) / len(raw)
-    return [x + shift for x in raw]
-
-
 def class_weights(R: Sequence[float]) -> list[float]:
     """The release's weights of Eq. 5's decomposition term (not in the paper): successes (R > 0.5)
     weigh N / (2 n_success) each and failures N / (2 n_failure), so both classes weigh N / 2 in all
@@ -345,16 +335,7 @@ def annotate(mu, trajs, args: Args) -> tuple[list, list, torch.Tensor, torch.Ten
     trajectory order.
     """
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
-    mu.eval()
-
-    def written(cs):                                  # (a torchrun rank's share may be empty)
-        rubrics, sc = mu.annotate(cs, args.rubric_temperature, args.max_new_tokens_mu, args.gen_batch) if cs else ([], None)
-        return list(zip(rubrics, sc.d.float().cpu(), sc.s.float().cpu())) if cs else []
-    out = in_shares(written, contexts)
-    if not out:
-        return contexts, [], torch.zeros(0, args.k), torch.zeros(0)
-    rubrics, d, s = zip(*out)
-    return contexts, list(rubrics), torch.stack(d), torch.stack(s)
+    return (contexts, *written_and_scored(mu, contexts, args))
 
 
 def advantages(trajs, s: torch.Tensor | None, dense: bool, args: Args) -> tuple[list[list[float]], dict]:
@@ -368,12 +349,7 @@ def advantages(trajs, s: torch.Tensor | None, dense: bool, args: Args) -> tuple[
     G = [reward_to_go(s[r.start:r.stop].tolist()) for r in env.step_ranges(trajs)]  # line 28, Eq. 3
     buckets = [step_buckets([st.action for st in t.steps], v) for t, v in zip(trajs, valid)]
     A = bucketed_advantages(G, buckets, valid, args.alpha, args.bucket_fallback)   # line 29, Eq. 4
-    per_bucket: dict[str, list[float]] = {}
-    for g_t, b_t, v_t in zip(G, buckets, valid):
-        for g, b, ok in zip(g_t, b_t, v_t):
-            if ok:
-                per_bucket.setdefault(b, []).append(g)
-    info = {"G": G, "buckets": buckets, "mean_G_per_bucket": {b: sum(v) / len(v) for b, v in per_bucket.items()}}
+    info = {"G": G, "buckets": buckets, "mean_G_per_bucket": bucket_means(G, buckets, valid)}
     return A, info
 
 
@@ -940,6 +916,43 @@ dp = DataParallel()
 
 
 # What the algorithm functions call to reach the engines and the ranks: one call each.
+
+def written_and_scored(mu, contexts: list, args: Args) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """μ.annotate over the steps, each torchrun rank on its share (in_shares): the rubrics, d and s."""
+    mu.eval()
+
+    def written(cs):                                  # (a rank's share may be empty)
+        rubrics, sc = mu.annotate(cs, args.rubric_temperature, args.max_new_tokens_mu, args.gen_batch) if cs else ([], None)
+        return list(zip(rubrics, sc.d.float().cpu(), sc.s.float().cpu())) if cs else []
+    out = in_shares(written, contexts)
+    if not out:
+        return [], torch.zeros(0, args.k), torch.zeros(0)
+    rubrics, d, s = zip(*out)
+    return list(rubrics), torch.stack(d), torch.stack(s)
+
+
+def bucket_means(G, buckets, valid) -> dict:
+    """For the log: the mean G_t of each bucket's valid steps (Eq. 4's Ḡ_{B,b})."""
+    per_bucket: dict[str, list[float]] = {}
+    for g_t, b_t, v_t in zip(G, buckets, valid):
+        for g, b, ok in zip(g_t, b_t, v_t):
+            if ok:
+                per_bucket.setdefault(b, []).append(g)
+    return {b: sum(v) / len(v) for b, v in per_bucket.items()}
+
+
+# The oracle-credit arm (issue 33): an analysis arm, not Algorithm 1.
+
+def oracle_credit(useful: Sequence[bool], R: float) -> list[float]:
+    """The oracle-credit arm's s_t for one trajectory (an analysis arm, not in the paper: the ceiling of the
+    step credit any μ could give π): +1 for a useful step, −1 for a useless one (env.step_usefulness), all
+    shifted by one constant so that Σ_t s_t = R(τ), the decomposition Eq. 5 asks of μ; the order of the
+    steps' scores is kept."""
+    raw = [1.0 if u else -1.0 for u in useful]
+    shift = (float(R) - sum(raw)) / len(raw)
+    return [x + shift for x in raw]
+
+
 
 def passes(bb, seqs, lens, args: Args, kl: bool = False, units=None):
     """The training passes of an update (rubric_model.training_passes) with the chosen --engine and

@@ -218,5 +218,5 @@ def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
         warmup.run(args)
     args.sft_head_steps = 0
     args.sft_questions_mu = 2           # a μ fine-tuned on other questions is not silently reused
-    with pytest.raises(env.DataError, match="--sft-questions-mu 0"):
+    with pytest.raises(env.DataError, match="--sft-questions-mu 8"):
         warmup.run(args)
