@@ -122,7 +122,6 @@ class Args(warmup.Settings):
     class_balance: bool | None = field(default=None, metadata={"help": "weight Eq. 5's decomposition term so that "
                                                                         "successes and failures weigh alike (release; "
                                                                         "not in the paper)"})
-    rollout_temperature: float | None = field(default=None, metadata={"help": "π's sampling temperature (release 0.7)"})
     rubric_temperature: float | None = field(default=None, metadata={"help": "μ's temperature for r_t: 0 = greedy "
                                                                              "(release); the paper writes r_t ~ p_θ"})
     pi_lr_sparse: float | None = field(default=None, metadata={"help": "π LoRA learning rate, sparse epochs (1e-5)"})
@@ -593,7 +592,7 @@ def uses_mu(args: Args) -> bool:
 
 
 def mu_folder(args: Args) -> str:
-    return mu_dir_name(args.rubric, args.k, args.mu_model, args.model)
+    return mu_dir_name(args.rubric, args.k, args.mu_model, args.model, args.mu_data)
 
 
 def build_models(args: Args, warmup_dir: Path):

@@ -67,7 +67,7 @@ from env import step_usefulness
 import warmup
 import arco
 import rubric_model
-from evaluate import exact_match, f1_score, format_table, main_guard, parse_args
+from evaluate import _average_ranks, auc, exact_match, f1_score, format_table, main_guard, parse_args
 
 
 @dataclass
@@ -109,35 +109,6 @@ class Args:
 # Small pure functions behind the diagnostics of μ (RQ3, RQ4, and the judge / credit-assignment
 # checks): ranks, AUC, κ, false passes, confidence intervals, step-binding items, rubric
 # redundancy, and which synthetic steps were useful. Plain Python; numpy only in `redundancy`.
-
-def _average_ranks(values: Sequence[float]) -> list[float]:
-    """1-based ranks of `values`; tied values share the mean of the ranks they span."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1  # positions i..j hold ranks i+1..j+1
-        i = j + 1
-    return ranks
-
-
-def auc(scores: Sequence[float], labels: Sequence[bool | int]) -> float | None:
-    """ROC AUC: the probability that a random positive scores above a random negative, a tie
-    counting 1/2 (the Mann–Whitney U / (n_pos · n_neg), from average ranks). None when either
-    class is empty. Issue 6: μ's s_t separating useful from useless steps."""
-    if len(scores) != len(labels):
-        raise ValueError(f"auc: {len(scores)} scores but {len(labels)} labels")
-    pos = [bool(y) for y in labels]
-    n_pos, n_neg = sum(pos), len(pos) - sum(pos)
-    if n_pos == 0 or n_neg == 0:
-        return None
-    rank_sum = sum(r for r, p in zip(_average_ranks(scores), pos) if p)
-    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
-
 
 def cohen_kappa(pred: Sequence[bool | int], truth: Sequence[bool | int]) -> float | None:
     """Cohen's κ of two binary labelings: (p_o − p_e) / (1 − p_e), p_o the observed agreement,
@@ -689,7 +660,7 @@ class Run:
     def warmup_mu_dir(self) -> Path:
         a = self.args
         return self.warmup_dir / warmup.mu_dir_name(a.get("rubric", "adaptive"), a.get("k", 3), a.get("mu_model") or "",
-                                             a.get("model") or "embedded")
+                                                    a.get("model") or "embedded", a.get("mu_data", "teacher"))
 
     def mu_dirs(self) -> list[tuple[int, Path]]:
         """(epoch, folder) of μ after each finished RL epoch, in order."""
@@ -1556,7 +1527,8 @@ STUDY_COMMON = ["--dataset", "synthetic-long", "--train-size", "64", "--epochs",
 STUDY_ARMS = {"outcome": ["--reward", "outcome"],                                 # R(τ) − the question's group mean
               "oracle-credit": ["--credit", "oracle", "--sparse-epochs", "0"],     # dense, ground-truth s_t
               "arco": ["--sparse-epochs", "0"],                                    # dense, μ's s_t
-              "arco-norubric": ["--sparse-epochs", "0", "--rubric", "none"]}       # dense, μ without r_t
+              "arco-norubric": ["--sparse-epochs", "0", "--rubric", "none"],       # dense, μ without r_t
+              "arco-policy-mu": ["--sparse-epochs", "0", "--mu-data", "policy"]}   # dense, μ SFT on π_sft's rollouts
 
 
 def update_aucs(run_dir: Path) -> list[dict]:
@@ -1574,6 +1546,24 @@ def update_aucs(run_dir: Path) -> list[dict]:
                 row[kind] = auc([st["s"] for st in chosen], [st["useful"] for st in chosen])
             out.append(row)
     return out
+
+
+def fmt_auc(v) -> str:
+    return "–" if v is None else f"{v:.2f}"
+
+
+def study_mu_aucs(args, warmup_dir: Path, out: Path) -> dict:
+    """Each μ of the study's warmup on the same seeded π_sft rollouts of held-out dev questions
+    (warmup.policy_dev_auc), computed once and kept in <study>/mu_auc_before_rl.json."""
+    path = out / "mu_auc_before_rl.json"
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
+    for folder in sorted(warmup_dir.glob("mu_sft*")):
+        if folder.name not in done and (folder / "config.json").is_file():
+            mu = rubric_model.RubricModel.load(folder, device=args.device, dtype=args.dtype, autocast=args.autocast)
+            done[folder.name] = warmup.policy_dev_auc(mu, args, warmup_dir, retriever)
+            env.write_json(path, done)
+    return done
 
 
 def study(argv: Sequence[str]) -> Path:
@@ -1612,14 +1602,17 @@ def study(argv: Sequence[str]) -> Path:
     plot_lines({arm: mean_curve(s) for arm, s in curves.items()}, out / "train_reward.png",
                "mean R(τ) of the training rollouts (mean over seeds)", "mean R", xlabel="update")
     aucs = {run.name: update_aucs(run.dir) for run in runs if run.has_mu}
+    before_rl = study_mu_aucs(base, root / "study-warmup", out)
+    md += "\nμ's AUC on π_sft's own rollouts of 100 held-out dev questions, before RL (search / finish / all):\n\n"
+    md += "".join(f"- {name}: {fmt_auc(a['search'])} / {fmt_auc(a['finish'])} / {fmt_auc(a['all'])} "
+                  f"({a['steps']} steps, {100 * a['useful_share']:.0f}% useful)\n" for name, a in before_rl.items())
     md += "\nμ's AUC on π's own training steps, per update (each batch scored by the μ that scored it):\n\n"
     for name, rows in aucs.items():
-        fmt = lambda v: "–" if v is None else f"{v:.2f}"                                  # noqa: E731
-        md += f"- {name}: search " + " ".join(fmt(r["search"]) for r in rows) + "; finish " + \
-              " ".join(fmt(r["finish"]) for r in rows) + "\n"
+        md += f"- {name}: search " + " ".join(fmt_auc(r["search"]) for r in rows) + "; finish " + \
+              " ".join(fmt_auc(r["finish"]) for r in rows) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.md").write_text(md, encoding="utf-8")
-    env.write_json(out / "study.json", {"comparison": comp, "update_aucs": aucs})
+    env.write_json(out / "study.json", {"comparison": comp, "update_aucs": aucs, "mu_auc_before_rl": before_rl})
     print(md)
     return out
 

@@ -313,6 +313,35 @@ def read_predictions(path: str, known_ids: typing.Container[str] | None = None,
     return predictions
 
 
+def _average_ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks of `values`; tied values share the mean of the ranks they span."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1  # positions i..j hold ranks i+1..j+1
+        i = j + 1
+    return ranks
+
+
+def auc(scores: Sequence[float], labels: Sequence[bool | int]) -> float | None:
+    """ROC AUC: the probability that a random positive scores above a random negative, a tie
+    counting 1/2 (the Mann–Whitney U / (n_pos · n_neg), from average ranks). None when either
+    class is empty. Issue 6: μ's s_t separating useful from useless steps."""
+    if len(scores) != len(labels):
+        raise ValueError(f"auc: {len(scores)} scores but {len(labels)} labels")
+    pos = [bool(y) for y in labels]
+    n_pos, n_neg = sum(pos), len(pos) - sum(pos)
+    if n_pos == 0 or n_neg == 0:
+        return None
+    rank_sum = sum(r for r, p in zip(_average_ranks(scores), pos) if p)
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
 def report_predictions(path: str, examples: Sequence, source: str) -> int:
     """`python env.py --predictions FILE --dataset NAME`: score a predictions file against `examples` (the
     split env.py loaded), print the markdown table (overall, then per question type) and the JSON; returns

@@ -33,6 +33,7 @@ The SFT training itself (π SFT; μ SFT with Eq. 7) builds on rubric_model.py.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import random
@@ -48,10 +49,11 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 import env
-from evaluate import main_guard, normalize_answer, parse_args
+from evaluate import auc, main_guard, normalize_answer, parse_args
 from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, ModelSettings, RubricModel, StepContext, add_lora,
-                          chat_prompt_ids, check_model_available, encode_response, load_backbone, merge_lora,
-                          policy_act, save_backbone, trainable_parameters, training_passes, write_atomically)
+                          chat_prompt_ids, check_model_available, contexts_from_trajectory, encode_response,
+                          load_backbone, load_backbone_checkpoint, merge_lora, policy_act, save_backbone,
+                          trainable_parameters, training_passes, write_atomically)
 
 
 @dataclass
@@ -59,6 +61,11 @@ class Settings(ModelSettings):
     """The knobs warmup.py and arco.py share, declared once (arco.Args and Args below extend them). Those
     defaulting to None take the --preset's value (PRESETS); the README's table "paper | release | this
     implementation" says where each value comes from."""
+    rollout_temperature: float | None = field(default=None, metadata={"help": "π's sampling temperature (release 0.7)"})
+    mu_data: str = field(default="teacher", metadata={
+        "help": "μ SFT data: teacher (the oracle's or API teacher's own trajectories, App. B), policy (π_sft's own "
+                "rollouts of the μ SFT questions, each step annotated by the oracle from the gold evidence; issue 33) "
+                "or both", "choices": ["teacher", "policy", "both"]})
     engine: str = field(default="fast", metadata={"help": "how the updates' passes are computed: fast (shared "
                                                            "beginnings once, packed) or plain (one forward per "
                                                            "sequence: the code to read); the same numbers",
@@ -653,6 +660,41 @@ class OracleTeacher:
     def annotate(self, traj: env.Trajectory, meta: dict, K: int) -> tuple[list[list[str]], list, list[str]]:
         criteria, scores = oracle_rubric(traj, meta["intents"], meta["n_targets"], K)
         return criteria, scores, []
+
+
+def inferred_intents(traj: env.Trajectory, plan: Sequence[Target]) -> list[Intent]:
+    """What a step of any policy's trajectory did, read from what it retrieved (for oracle_rubric): a search
+    that brought back a gold target's paragraph served that hop (repeats included: oracle_rubric scores them
+    as not new), any other search a wrong entity; a Finish is a finish."""
+    hop_of = {t.paragraph: (i, t) for i, t in enumerate(plan, 1)}
+    out = []
+    for st in traj.steps:
+        if st.valid and st.action == "search" and st.retrieved in hop_of:
+            hop, target = hop_of[st.retrieved]
+            out.append(Intent("gold", target, hop))
+        else:
+            out.append(Intent("finish" if st.valid and st.action == "finish" else "wrong_entity"))
+    return out
+
+
+class OnPolicyTeacher(OracleTeacher):
+    """π_sft plays the warmup questions (sampled at `temperature`, one seeded stream per trajectory) and the
+    oracle annotates each of its steps from the gold evidence (issue 33: μ learns π's own mistakes; the
+    authors' release has a collection mode where a local policy plays and the teacher annotates)."""
+    name = "oracle-on-policy"
+
+    def __init__(self, pi, temperature: float, max_new_tokens: int, gen_batch: int, seed: int = 0, obs_chars: int = 400):
+        super().__init__(seed, obs_chars)
+        self.act = policy_act(pi, temperature, max_new_tokens, gen_batch)
+
+    def rollout(self, pairs: Sequence[tuple[env.Example, int]], retriever) -> tuple[list[env.Trajectory], list[dict]]:
+        unique = list({(ex.dataset, ex.id): ex for ex, _ in pairs}.values())
+        plans = dict(zip([(ex.dataset, ex.id) for ex in unique], choose_queries(unique, retriever)))
+        seeds = [int(hashlib.sha256(f"{self.seed}-{ex.id}-{s}".encode()).hexdigest()[:14], 16) for ex, s in pairs]
+        trajs = env.rollout([ex for ex, _ in pairs], self.act, retriever, obs_chars=self.obs_chars, seeds=seeds)
+        metas = [{"variant": "policy", "imperfect": t.reward < 1.0, "n_targets": len(plans[(ex.dataset, ex.id)]),
+                  "intents": inferred_intents(t, plans[(ex.dataset, ex.id)])} for (ex, _), t in zip(pairs, trajs)]
+        return trajs, metas
 
 
 def gold_evidence_rate(examples: Sequence[env.Example], retriever, obs_chars: int = 400) -> dict:
@@ -1375,7 +1417,8 @@ def collection_suffix(K: int) -> str:
     return "" if K == 3 else f"-k{K}"
 
 
-def mu_dir_name(rubric_mode: str = "adaptive", K: int = 3, mu_model: str = "", model: str = "embedded") -> str:
+def mu_dir_name(rubric_mode: str = "adaptive", K: int = 3, mu_model: str = "", model: str = "embedded",
+                mu_data: str = "teacher") -> str:
     """The folder of a warmup's μ: `mu_sft` for ARCO's own μ (adaptive, K = 3, π's backbone), and
     one folder per variant beside it (`mu_sft-none`, `mu_sft-k5`, ...), so that every run of the
     paper's comparisons shares one collection and one π SFT."""
@@ -1383,10 +1426,11 @@ def mu_dir_name(rubric_mode: str = "adaptive", K: int = 3, mu_model: str = "", m
     suffix += collection_suffix(K)
     if mu_model and mu_model != model:
         suffix += "-" + re.sub(r"[^A-Za-z0-9._-]+", "_", mu_model.strip("/").split("/")[-1])
-    return "mu_sft" + suffix
+    return "mu_sft" + suffix + ("" if mu_data == "teacher" else f"-{mu_data}")
 
 
-def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: Sequence[dict], retriever) -> dict:
+def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: Sequence[dict], retriever,
+            mu_questions: Sequence[env.Example] = ()) -> dict:
     """π SFT and μ SFT, the merged π_sft/ and μ_sft/ saved, and the dev evaluation of the base
     and the SFT-only policy (greedy) into metrics.json. A π_sft/ or μ folder already in
     out_dir (an earlier warmup of the same collection) is kept, not trained again."""
@@ -1420,13 +1464,15 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
               flush=True)
         del pi
         env.write_json(out_dir / "metrics.json", metrics)
-    name = mu_dir_name(args.rubric, args.k, args.mu_model, args.model)
+    name = mu_dir_name(args.rubric, args.k, args.mu_model, args.model, args.mu_data)
     if not args.train_mu:
         return metrics
     if (out_dir / name / "config.json").is_file():
         check_mu_settings(out_dir, name, args)
         print(f"[warmup] μ SFT: reusing {out_dir / name}", flush=True)
         return metrics
+    if args.mu_data != "teacher":               # issue 33: μ learns on π_sft's own rollouts (or on both)
+        mu_items = policy_items(args, out_dir, mu_questions, retriever) + (list(mu_items) if args.mu_data == "both" else [])
     mu_backbone = load_backbone(args.mu_model or args.model, device=args.device, dtype=args.dtype,
                                 autocast=args.autocast)
     torch.manual_seed(args.seed)                # μ's score head, LoRA and dropout (whether π was reused or not)
@@ -1447,6 +1493,48 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     metrics.update(m)                 # the last μ trained, also at the top level (as before variants)
     env.write_json(out_dir / "metrics.json", metrics)
     return metrics
+
+
+def on_policy_teacher(args: "Args", out_dir: Path) -> OnPolicyTeacher:
+    pi, _ = load_backbone_checkpoint(out_dir / "pi_sft", device=args.device, dtype=args.dtype, autocast=args.autocast)
+    return OnPolicyTeacher(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch, args.seed,
+                           args.obs_chars)
+
+
+def policy_items(args: "Args", out_dir: Path, questions: Sequence[env.Example], retriever) -> list[dict]:
+    """μ SFT items from π_sft's own rollouts of the μ SFT questions (--warmup-samples each, at the rollout
+    temperature), every step annotated by the oracle from the gold evidence and projected (Eq. 6); collected
+    into policy_rollouts/ beside the teacher's records, resumable as they are."""
+    folder = out_dir / "policy_rollouts"
+    collect(questions, on_policy_teacher(args, out_dir), retriever, folder, args.warmup_samples, args.k, args.tol,
+            args.progress)
+    kept, dropped = filter_records(env.read_jsonl(folder / f"records{collection_suffix(args.k)}.jsonl"), args.k, args.tol)
+    print(f"[warmup] μ SFT on π_sft's own rollouts: {len(kept)} trajectories kept (dropped: {dict(dropped) or 'none'})",
+          flush=True)
+    return rubric_sft_examples(kept)
+
+
+POLICY_PROBE_QUESTIONS = 100     # held-out dev questions π_sft plays once each for μ's step AUC before RL
+
+
+def policy_dev_auc(mu, args, out_dir: Path, retriever) -> dict:
+    """μ's step credit on π_sft's own rollouts of held-out dev questions, before any RL: the AUC of s_t for
+    useful vs useless steps (env.step_usefulness) by step type. The rollouts are seeded, so every μ of a
+    warmup is measured on the same steps (diagnostics.py --study shows each μ's)."""
+    dev = env.load_split(args.dataset, "dev", args.data_dir or None, POLICY_PROBE_QUESTIONS, args.seed + 1)
+    trajs, _ = on_policy_teacher(args, out_dir).rollout([(ex, 0) for ex in dev], retriever)
+    contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
+    mu.eval()
+    with torch.no_grad():
+        _, scores = mu.annotate(contexts, 0.0, 128, args.gen_batch)
+    steps = [st for t in trajs for st in t.steps]
+    labels = [u for t in trajs for u in env.step_usefulness(t)]
+    out = {"questions": len(dev), "steps": len(steps), "useful_share": sum(labels) / max(1, len(labels))}
+    for kind in ("search", "finish", "all"):
+        pick = [i for i, st in enumerate(steps) if kind == "all" or (st.valid and st.action == kind)]
+        out[kind] = auc([float(scores.s[i]) for i in pick], [labels[i] for i in pick])
+    print(f"[warmup] μ's AUC on π_sft's own dev steps: search {out['search']}, finish {out['finish']}", flush=True)
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -1571,14 +1659,14 @@ def run(args: Args) -> Path:
         return out_dir
     if not pi or not mu:
         raise ValueError(f"nothing to fine-tune on: {len(pi)} π SFT and {len(mu)} μ SFT examples")
-    m = run_sft(args, out_dir, pi, mu, retriever).get("mu", {}).get(
-        mu_dir_name(args.rubric, args.k, args.mu_model, args.model))
+    m = run_sft(args, out_dir, pi, mu, retriever, examples[:args.sft_questions_mu or len(examples)]).get("mu", {}).get(
+        mu_dir_name(args.rubric, args.k, args.mu_model, args.model, args.mu_data))
     if m and "mu_sft_terms_after" in m:
         print(f"μ SFT, Eq. 7 terms on {min(len(mu), args.warmup_probe)} items: text NLL "
               f"{m['mu_sft_terms_before']['text_nll']:.2f} -> {m['mu_sft_terms_after']['text_nll']:.2f}, score "
               f"error {m['mu_sft_terms_before']['score_sq_error']:.3f} -> "
               f"{m['mu_sft_terms_after']['score_sq_error']:.3f}")
-    print(f"written to {out_dir}/ (pi_sft/, {mu_dir_name(args.rubric, args.k, args.mu_model, args.model)}/, "
+    print(f"written to {out_dir}/ (pi_sft/, {mu_dir_name(args.rubric, args.k, args.mu_model, args.model, args.mu_data)}/, "
           f"metrics.json, records{ks}.jsonl, summary{ks}.json)")
     return out_dir
 

@@ -590,3 +590,26 @@ def test_records_from_another_configuration_are_refused(retriever, tmp_path):
     (tmp_path / "records-k5.jsonl").write_text((tmp_path / "records.jsonl").read_text())   # mixed by hand
     with pytest.raises(ValueError, match="K=3, this run uses teacher=oracle K=5"):
         warmup.collect(examples, warmup.OracleTeacher(), retriever, tmp_path, k=1, K=5, progress=False)
+
+
+def test_on_policy_collection_labels_pi_own_steps_by_hand(retriever, tmp_path):
+    """Issue 33: the oracle annotates a policy's own trajectory. On a long chain a scripted 'π' searches A (hop 1),
+    a look-alike of A (a wrong entity), A again (a repeat), then answers wrongly: the relevance score of each
+    search is +1 / −1 / +1 (the repeat targets a gold paragraph), its novelty +1 / +1 / −1, the Finish's
+    correctness −1; R = 0, so the projected scores sum to 0 (Eq. 6). Records go to their own file."""
+    ex = env.load_split("synthetic-long", "dev", size=1)[0]
+    titles = [t for t, _ in ex.paragraphs]
+    a = titles[ex.hops[0]["paragraph"]]
+    alike = next(t for t in titles if t != a and t.split(" ", 1)[-1] == a.split(" ", 1)[1])
+    teacher = warmup.OnPolicyTeacher.__new__(warmup.OnPolicyTeacher)
+    warmup.OracleTeacher.__init__(teacher, seed=0, obs_chars=400)
+    script = iter([f"Search[{a}]", f"Search[{alike}]", f"Search[{a}]", "Finish[nowhere at all]"])
+    teacher.act = lambda prompts, seeds=None: [next(script) for _ in prompts]
+    warmup.collect([ex], teacher, retriever, tmp_path, k=1, K=3, progress=False)
+    (rec,) = env.read_jsonl(tmp_path / "records.jsonl")
+    assert rec["teacher"] == "oracle-on-policy" and rec["variant"] == "policy" and rec["reward"] == 0.0
+    steps = rec["steps"]
+    assert [st["teacher_scores"][0] for st in steps] == [1.0, -1.0, 1.0, -1.0]     # relevant / right answer
+    assert [st["teacher_scores"][2] for st in steps[:3]] == [1.0, 1.0, -1.0]          # new query and paragraph
+    assert "hop 1 of" in steps[0]["criteria"][0] and f'"{alike}"' in steps[1]["criteria"][0]
+    assert sum(sum(st["scores"]) / 3 for st in steps) == pytest.approx(0.0, abs=1e-6)   # Σ_t s_t = R

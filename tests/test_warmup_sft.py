@@ -220,3 +220,24 @@ def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
     args.sft_questions_mu = 2           # a μ fine-tuned on other questions is not silently reused
     with pytest.raises(env.DataError, match="--sft-questions-mu 8"):
         warmup.run(args)
+
+
+def test_mu_on_pi_own_rollouts_end_to_end_on_tiny_model(tiny_dir, tmp_path, retriever, monkeypatch):
+    """--mu-data policy (issue 33): after π SFT, π_sft plays the μ SFT questions, the oracle annotates its steps
+    (policy_rollouts/records.jsonl), μ is fine-tuned on them into its own folder (mu_sft-policy); then μ's AUC
+    by step type on π_sft's seeded rollouts of held-out dev questions (the same steps for every μ)."""
+    out = tmp_path / "warmup"
+    args = warmup.Args(dataset="synthetic", warmup_size=3, warmup_samples=2, eval_size=2, out_dir=str(out),
+                       model=str(tiny_dir), device="cpu", sft_epochs_pi=1, sft_epochs_mu=1, sft_batch_pi=4,
+                       sft_batch_mu=4, micro_batch=4, max_new_tokens_pi=8, warmup_probe=2, progress=False,
+                       sft_head_steps=0, sft_questions_mu=2, mu_data="policy")
+    warmup.run(args)
+    records = env.read_jsonl(out / "policy_rollouts" / "records.jsonl")
+    assert len(records) == 4 and {r["teacher"] for r in records} == {"oracle-on-policy"}     # 2 questions × 2
+    assert all(len(st["criteria"]) == 3 for r in records for st in r["steps"])
+    assert (out / "mu_sft-policy" / "config.json").is_file() and not (out / "mu_sft").exists()
+    monkeypatch.setattr(warmup, "POLICY_PROBE_QUESTIONS", 4)
+    mu = rm.RubricModel.load(out / "mu_sft-policy", device="cpu")
+    first = warmup.policy_dev_auc(mu, args, out, retriever)
+    assert first["questions"] == 4 and first["steps"] >= 4 and set(first) >= {"search", "finish", "all"}
+    assert warmup.policy_dev_auc(mu, args, out, retriever) == first                      # seeded: the same steps
