@@ -1548,6 +1548,18 @@ def update_aucs(run_dir: Path) -> list[dict]:
     return out
 
 
+def credit_room(rows: Iterable[dict]) -> dict:
+    """How much room step credit has in a policy's trajectories (trace rows): the share of failed ones (R = 0)
+    holding a useful step followed later by a useless one — where outcome credit blames the useful step
+    with the rest and step credit need not (issue 33 asks for a third or more on the long worlds)."""
+    failed = [r for r in rows if not r["reward"]]
+    room = 0
+    for r in failed:
+        useful = env.step_usefulness(r)
+        room += any(u and not v for i, u in enumerate(useful) for v in useful[i + 1:])
+    return {"failed": len(failed), "useful_then_useless": room, "share": room / len(failed) if failed else None}
+
+
 def fmt_auc(v) -> str:
     return "–" if v is None else f"{v:.2f}"
 
@@ -1575,6 +1587,7 @@ def study(argv: Sequence[str]) -> Path:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     pre.add_argument("--arms", nargs="+", default=list(STUDY_ARMS), choices=list(STUDY_ARMS))
+    pre.add_argument("--figures", default="", help="also write the learning curves here (the README's figures/)")
     own, rest = pre.parse_known_args(list(argv))
     base = arco.resolve_args(parse_args(arco.Args, STUDY_COMMON + list(rest)))
     root = Path(base.out_dir) / base.dataset
@@ -1599,8 +1612,21 @@ def study(argv: Sequence[str]) -> Path:
         curves[run.name.rsplit("-s", 1)[0]].append(train_reward_series(env.read_jsonl(run.dir / "metrics.jsonl")))
     mean_curve = lambda series: [(x, sum(s[i][1] for s in series) / len(series))           # noqa: E731
                                  for i, (x, _) in enumerate(series[0])] if series else []
-    plot_lines({arm: mean_curve(s) for arm, s in curves.items()}, out / "train_reward.png",
-               "mean R(τ) of the training rollouts (mean over seeds)", "mean R", xlabel="update")
+    dev = {arm: [] for arm in own.arms}                   # dev EM against the updates made before it
+    for run in runs:
+        rows = env.read_jsonl(run.dir / "metrics.jsonl")
+        done = [sum(r["kind"] == "update" and r["epoch"] <= e["epoch"] for r in rows) for e in rows if e["kind"] == "eval"]
+        dev[run.name.rsplit("-s", 1)[0]].append(list(zip(done, [e["em"] for e in rows if e["kind"] == "eval"])))
+    for folder in [out] + ([Path(own.figures)] if own.figures else []):
+        plot_lines({arm: mean_curve(s) for arm, s in curves.items()}, folder / "study_train_reward.png",
+                   "mean R(τ) of the training rollouts (mean over seeds)", "mean R", xlabel="update")
+        plot_lines({arm: mean_curve(s) for arm, s in dev.items()}, folder / "study_dev_em.png",
+                   "dev EM (mean over seeds)", "EM (%)", xlabel="update")
+    room = credit_room(r for run in runs[:len(own.arms) * len(own.seeds):len(own.arms)]
+                       for r in env.read_jsonl(run.dir / "traces" / "eval_epoch_0.jsonl"))
+    md += (f"\nRoom for step credit: of π_sft's {room['failed']} failed dev trajectories (epoch 0, every seed), "
+           f"{room['useful_then_useless']} hold a useful step followed by a useless one"
+           + (f" ({100 * room['share']:.0f}%).\n" if room["share"] is not None else ".\n"))
     aucs = {run.name: update_aucs(run.dir) for run in runs if run.has_mu}
     before_rl = study_mu_aucs(base, root / "study-warmup", out)
     md += "\nμ's AUC on π_sft's own rollouts of 100 held-out dev questions, before RL (search / finish / all):\n\n"
@@ -1612,7 +1638,8 @@ def study(argv: Sequence[str]) -> Path:
               " ".join(fmt_auc(r["finish"]) for r in rows) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.md").write_text(md, encoding="utf-8")
-    env.write_json(out / "study.json", {"comparison": comp, "update_aucs": aucs, "mu_auc_before_rl": before_rl})
+    env.write_json(out / "study.json", {"comparison": comp, "update_aucs": aucs, "mu_auc_before_rl": before_rl,
+                                        "credit_room": room})
     print(md)
     return out
 

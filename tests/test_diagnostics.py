@@ -13,6 +13,7 @@ import types
 import numpy as np
 import pytest
 
+import diagnostics as dg
 import env
 from diagnostics import (auc, best_threshold, binding_item, cohen_kappa, crossfit_judge, judge_stats, mean_ci,
                       proportion_ci, redundancy, redundancy_summary,
@@ -383,3 +384,16 @@ def test_step_usefulness_on_synthetic_trajectories_and_their_traces():
     import arco  # the traces a run writes (observations cut, extra fields) must still work
     rows = [json.loads(json.dumps(r)) for r in arco.trace_rows([t1, t2], epoch=0, batch=0)]
     assert [step_usefulness(r, ex.supporting) for r in rows] == [expected[id(t1)], expected[id(t2)]]
+
+
+def test_credit_room_counts_failed_trajectories_with_a_useful_step_then_a_useless_one():
+    """Failed trajectories only; 'useful then useless' needs a useless step after a useful one."""
+    def row(reward, steps):
+        return {"reward": reward, "gold": ["1951"], "supporting": [0, 1],
+                "steps": [{"valid": True, "action": a, "retrieved": p, "argument": arg} for a, p, arg in steps]}
+    rows = [row(0.0, [("search", 0, "A"), ("search", 5, "B"), ("finish", None, "1900")]),   # useful, useless, wrong
+            row(0.0, [("search", 4, "B"), ("finish", None, "1900")]),                        # never useful
+            row(0.0, [("search", 0, "A"), ("search", 1, "C"), ("finish", None, "1900")]),   # useful, useful, wrong
+            row(1.0, [("search", 0, "A"), ("search", 5, "B"), ("finish", None, "1951")])]   # a success: left out
+    assert dg.credit_room(rows) == {"failed": 3, "useful_then_useless": 2, "share": 2 / 3}
+

@@ -498,7 +498,8 @@ def test_the_credit_study_branches_its_arms_from_one_start_and_resumes(tiny_dir,
     number of updates of the same size; the table pairs oracle credit with outcome RL of the same seed; a
     second call finds every run finished and trains nothing."""
     argv = tiny_args(tiny_dir, tmp_path, train_size=4, eval_size=3, group_size=2, dense_samples=2, batch_size=4,
-                     epochs=1, warmup_size=4) + ["--seeds", "0", "--arms", "outcome", "oracle-credit"]
+                     epochs=1, warmup_size=4) + ["--seeds", "0", "--arms", "outcome", "oracle-credit",
+                                                 "--figures", str(tmp_path / "figures")]
     out = dg.study([a for a in argv if a not in ("--dataset", "synthetic")])
     root = tmp_path / "synthetic-long"
     first = {}
@@ -517,7 +518,10 @@ def test_the_credit_study_branches_its_arms_from_one_start_and_resumes(tiny_dir,
     study_json = json.loads((out / "study.json").read_text())
     vs = [m for m in study_json["comparison"]["methods"] if m["method"] == "oracle credit"][0]["vs_outcome"]
     assert vs["n"] == 3                                         # the 3 dev questions, paired
-    assert (out / "train_reward.png").stat().st_size > 1000
+    for name in ("study_train_reward.png", "study_dev_em.png"):
+        assert (out / name).stat().st_size > 1000 and (tmp_path / "figures" / name).is_file()
+    assert study_json["credit_room"]["failed"] == sum(not r["reward"] for r in read_jsonl(
+        root / "outcome-s0" / "traces" / "eval_epoch_0.jsonl"))
     stamp = (root / "outcome-s0" / "metrics.jsonl").stat().st_mtime_ns
     dg.study([a for a in argv if a not in ("--dataset", "synthetic")])
     assert (root / "outcome-s0" / "metrics.jsonl").stat().st_mtime_ns == stamp
