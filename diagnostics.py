@@ -1521,9 +1521,10 @@ def loop_benchmark(args: arco.Args) -> dict:
 STUDY_COMMON = ["--dataset", "synthetic-long", "--train-size", "64", "--epochs", "1", "--batch-size", "16",
                 "--group-size", "4", "--dense-samples", "4", "--pi-lr-sparse", "2e-4", "--pi-lr-dense", "2e-4",
                 "--kl-pi-sparse", "0", "--kl-pi-dense", "0", "--alpha", "1", "--eval-size", "500",
-                "--warmup-size", "150", "--sft-questions-mu", "40"]
+                "--warmup-size", "150", "--sft-questions-mu", "40", "--sft-eval-size", "100"]
 # α 1: the dense advantage α (G_t − Ḡ_b) at the scale of outcome RL's R − mean R (the preset's α 0.5 would halve
-# the dense arms' step size); π SFT on 150 questions' oracle trajectories, μ SFT on the first 40's.
+# the dense arms' step size); π SFT on 150 questions' oracle trajectories (its epoch chosen on 100 dev questions;
+# epoch 0 is then evaluated on the 500 by the first arm of each seed and shared), μ SFT on the first 40's.
 STUDY_ARMS = {"outcome": ["--reward", "outcome"],                                 # R(τ) − the question's group mean
               "oracle-credit": ["--credit", "oracle", "--sparse-epochs", "0"],     # dense, ground-truth s_t
               "arco": ["--sparse-epochs", "0"],                                    # dense, μ's s_t

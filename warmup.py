@@ -62,6 +62,9 @@ class Settings(ModelSettings):
     defaulting to None take the --preset's value (PRESETS); the README's table "paper | release | this
     implementation" says where each value comes from."""
     rollout_temperature: float | None = field(default=None, metadata={"help": "π's sampling temperature (release 0.7)"})
+    sft_eval_size: int = field(default=0, metadata={
+        "help": "dev questions of the warmup's base and π SFT evaluations (the choice of π SFT's epoch); 0 = "
+                "--eval-size. A smaller one saves the warmup's time; arco.py then evaluates epoch 0 itself"})
     mu_data: str = field(default="teacher", metadata={
         "help": "μ SFT data: teacher (the oracle's or API teacher's own trajectories, App. B), policy (π_sft's own "
                 "rollouts of the μ SFT questions, each step annotated by the oracle from the gold evidence; issue 33) "
@@ -1434,19 +1437,24 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     """π SFT and μ SFT, the merged π_sft/ and μ_sft/ saved, and the dev evaluation of the base
     and the SFT-only policy (greedy) into metrics.json. A π_sft/ or μ folder already in
     out_dir (an earlier warmup of the same collection) is kept, not trained again."""
-    dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size or None, args.seed)
+    dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.sft_eval_size or args.eval_size or None,
+                         args.seed)
     old = json.loads((out_dir / "metrics.json").read_text()) if (out_dir / "metrics.json").is_file() else {}
     metrics: dict = {**old, "dataset": args.dataset, "dev_questions": len(dev)}
+    settings = eval_settings(args.sft_eval_size or args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars,
+                             args.gen_batch)
     if (out_dir / "pi_sft" / "config.json").is_file() and "sft_only" in old:
         print(f"[warmup] π SFT: reusing {out_dir / 'pi_sft'}", flush=True)
     else:
         pi = load_backbone(args.model, device=args.device, dtype=args.dtype, autocast=args.autocast)
-        print(f"[warmup] evaluating the base policy ({args.model}) on {len(dev)} dev questions", flush=True)
-
         def dev_eval(policy):
             return env.evaluate(dev, policy_act(policy, 0.0, args.max_new_tokens_pi, args.gen_batch), retriever,
                                 obs_chars=args.obs_chars)                   # greedy
-        metrics["base"], _ = dev_eval(pi)
+        if old.get("base_settings") != settings:            # kept at once: a resumed warmup does not redo it
+            print(f"[warmup] evaluating the base policy ({args.model}) on {len(dev)} dev questions", flush=True)
+            metrics["base"], _ = dev_eval(pi)
+            metrics["base_settings"] = settings
+            env.write_json(out_dir / "metrics.json", metrics)
         torch.manual_seed(args.seed)            # π's LoRA initialization and dropout: a warmup repeats exactly
         sft = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi, args.sft_batch_pi, args.seed,
                                args.progress, args.micro_batch, args.weight_decay, dev_eval, args.engine)
@@ -1457,8 +1465,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         # The chosen epoch's evaluation is the SFT-only row (greedy: the merged weights decode the same).
         metrics["sft_only"], trajs = sft["best"]["scores"], sft["best"]["trajectories"]
         # What arco.py needs to take this evaluation as its epoch 0 instead of repeating it.
-        metrics["sft_only_settings"] = eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars,
-                                                     args.gen_batch)
+        metrics["sft_only_settings"] = settings
         env.write_jsonl(out_dir / "eval_sft_only.jsonl", [t.to_dict() for t in trajs])
         print(f"[warmup] dev EM: base {metrics['base']['em']:.1f} -> SFT only {metrics['sft_only']['em']:.1f}",
               flush=True)

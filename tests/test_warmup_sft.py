@@ -2,6 +2,7 @@
 warmup (collection → SFT → π_sft/, μ_sft/, metrics.json) end to end on the tiny model."""
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -241,3 +242,24 @@ def test_mu_on_pi_own_rollouts_end_to_end_on_tiny_model(tiny_dir, tmp_path, retr
     first = warmup.policy_dev_auc(mu, args, out, retriever)
     assert first["questions"] == 4 and first["steps"] >= 4 and set(first) >= {"search", "finish", "all"}
     assert warmup.policy_dev_auc(mu, args, out, retriever) == first                      # seeded: the same steps
+
+
+def test_warmup_evaluates_on_its_own_dev_size_and_keeps_the_base_evaluation(tiny_dir, tmp_path, monkeypatch):
+    """--sft-eval-size: the base and π SFT evaluations take that many dev questions (arco.py then evaluates
+    epoch 0 on its --eval-size itself); the base evaluation is saved at once, so a warmup killed during π SFT
+    does not evaluate the base model again when it is run again."""
+    out = tmp_path / "warmup"
+    args = warmup.Args(dataset="synthetic", warmup_size=3, warmup_samples=1, eval_size=3, sft_eval_size=2,
+                       out_dir=str(out), model=str(tiny_dir), device="cpu", sft_epochs_pi=1, sft_batch_pi=4,
+                       micro_batch=4, max_new_tokens_pi=8, progress=False, train_mu=False)
+    warmup.run(args)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["dev_questions"] == 2 and metrics["base"]["n"] == 2 and metrics["sft_only_settings"]["eval_size"] == 2
+    shutil.rmtree(out / "pi_sft")                                  # as if killed before π SFT finished
+    metrics.pop("sft_only")
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    calls = []
+    real = warmup.env.evaluate
+    monkeypatch.setattr(warmup.env, "evaluate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    warmup.run(args)
+    assert len(calls) == 1 and (out / "pi_sft" / "config.json").is_file()     # π SFT's one epoch, no base again
