@@ -67,8 +67,8 @@ from evaluate import UsageError, main_guard, parse_args
 from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, RubricModel, add_lora, check_intact,
                           check_model_available, contexts_from_trajectory, damaged, load_backbone_checkpoint,
                           merge_lora, memory_estimate, policy_act, policy_sequences, reduce_tokens, save_backbone,
-                          trainable_parameters, training_passes, write_manifest)
-from warmup import PRESETS, dev_rank, mu_dir_name
+                          trainable_parameters, training_passes, write_atomically, write_manifest)
+from warmup import PRESETS, dev_rank, fill_from_preset, mu_dir_name
 
 
 @dataclass
@@ -501,12 +501,9 @@ def select_checkpoint(history: list[dict], sparse_epochs: int) -> dict:
 
 def resolve_args(args: Args) -> Args:
     """Fill every preset-driven field the command line left unset, then check the combination."""
-    preset = dict(PRESETS[args.preset])
     if args.warmup_size is None and args.train_size is not None:     # a smaller --train-size shrinks the warmup too
-        preset["warmup_size"] = min(preset["warmup_size"], args.train_size)
-    for key, value in preset.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+        args.warmup_size = min(PRESETS[args.preset]["warmup_size"], args.train_size)
+    fill_from_preset(args)
     if args.mu_model is None:
         args.mu_model = args.model
     if not args.name:
@@ -639,7 +636,7 @@ def warmup_evaluation(warmup_dir: Path, args: Args) -> tuple[dict | None, list[d
     adds exact zeros: greedy decoding gives the same trajectories; tests/test_arco.py checks it.)"""
     path = warmup_dir / "metrics.json"
     metrics = json.loads(path.read_text()) if path.is_file() else {}
-    wanted = warmup.eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars, args.gen_batch)
+    wanted = epoch0_settings(args)
     traces = warmup_dir / "eval_sft_only.jsonl"
     if args.max_searches is not None:
         return None, []
@@ -691,17 +688,17 @@ def sft_only_evaluation(run_dir: Path, warmup_dir: Path, pi, dev, args: Args, re
         ev, trajs = evaluate_policy(pi, dev, args, retriever)
         rows = trace_rows(trajs, 0, -1)
         if dp.main and args.max_searches is None:  # kept beside the warmup: the next run of its settings reuses it
-            wanted = warmup.eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars,
-                                          args.gen_batch)
-            cache = sft_only_cache(warmup_dir, wanted)
-            tmp = cache.with_name(cache.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            env.write_jsonl(tmp / "traces.jsonl", [{k: v for k, v in r.items() if k not in ("epoch", "batch")}
-                                                   for r in rows])
-            env.write_json(tmp / "metrics.json", {"sft_only": ev, "sft_only_settings": wanted})
-            shutil.rmtree(cache, ignore_errors=True)
-            tmp.rename(cache)
+            def write(tmp: Path) -> None:
+                env.write_jsonl(tmp / "traces.jsonl", [{k: v for k, v in r.items() if k not in ("epoch", "batch")}
+                                                       for r in rows])
+                env.write_json(tmp / "metrics.json", {"sft_only": ev, "sft_only_settings": epoch0_settings(args)})
+            write_atomically(sft_only_cache(warmup_dir, epoch0_settings(args)), write)
     return log_evaluation(run_dir, 0, ev, rows)
+
+
+def epoch0_settings(args: Args) -> dict:
+    """What decides the SFT-only dev evaluation (warmup.eval_settings): the same, the same trajectories."""
+    return warmup.eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars, args.gen_batch)
 
 
 def sft_only_cache(warmup_dir: Path, wanted: dict) -> Path:
@@ -920,9 +917,11 @@ def written_and_scored(mu, contexts: list, args: Args) -> tuple[list, torch.Tens
     """μ.annotate over the steps, each torchrun rank on its share (in_shares): the rubrics, d and s."""
     mu.eval()
 
-    def written(cs):                                  # (a rank's share may be empty)
-        rubrics, sc = mu.annotate(cs, args.rubric_temperature, args.max_new_tokens_mu, args.gen_batch) if cs else ([], None)
-        return list(zip(rubrics, sc.d.float().cpu(), sc.s.float().cpu())) if cs else []
+    def written(cs):
+        if not cs:                                    # (a rank's share may be empty)
+            return []
+        rubrics, sc = mu.annotate(cs, args.rubric_temperature, args.max_new_tokens_mu, args.gen_batch)
+        return list(zip(rubrics, sc.d.float().cpu(), sc.s.float().cpu()))
     out = in_shares(written, contexts)
     if not out:
         return [], torch.zeros(0, args.k), torch.zeros(0)
@@ -950,7 +949,6 @@ def oracle_credit(useful: Sequence[bool], R: float) -> list[float]:
     raw = [1.0 if u else -1.0 for u in useful]
     shift = (float(R) - sum(raw)) / len(raw)
     return [x + shift for x in raw]
-
 
 
 def passes(bb, seqs, lens, args: Args, kl: bool = False, units=None):

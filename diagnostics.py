@@ -67,7 +67,7 @@ from env import step_usefulness
 import warmup
 import arco
 import rubric_model
-from evaluate import _average_ranks, auc, exact_match, f1_score, format_table, main_guard, parse_args
+from evaluate import _average_ranks, auc, auc_by_step_type, exact_match, f1_score, format_table, main_guard, parse_args
 
 
 @dataclass
@@ -1541,11 +1541,9 @@ def update_aucs(run_dir: Path) -> list[dict]:
         for row in env.read_jsonl(path):
             batches[row["batch"]] += [st for st in row["steps"] if "s" in st and "useful" in st]
         for b, steps in sorted(batches.items()):
-            row = {"epoch": int(path.stem.split("_")[1]), "batch": b}
-            for kind in ("search", "finish", "all"):
-                chosen = [st for st in steps if kind == "all" or (st.get("valid") and st.get("action") == kind)]
-                row[kind] = auc([st["s"] for st in chosen], [st["useful"] for st in chosen])
-            out.append(row)
+            out.append({"epoch": int(path.stem.split("_")[1]), "batch": b, **auc_by_step_type(
+                [st["s"] for st in steps], [st["useful"] for st in steps],
+                [st.get("action") if st.get("valid") else None for st in steps])})
     return out
 
 
@@ -1570,12 +1568,14 @@ def study_mu_aucs(args, warmup_dir: Path, out: Path) -> dict:
     (warmup.policy_dev_auc), computed once and kept in <study>/mu_auc_before_rl.json."""
     path = out / "mu_auc_before_rl.json"
     done = json.loads(path.read_text()) if path.is_file() else {}
-    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
-    for folder in sorted(warmup_dir.glob("mu_sft*")):
-        if folder.name not in done and (folder / "config.json").is_file():
-            mu = rubric_model.RubricModel.load(folder, device=args.device, dtype=args.dtype, autocast=args.autocast)
-            done[folder.name] = warmup.policy_dev_auc(mu, args, warmup_dir, retriever)
-            env.write_json(path, done)
+    todo = [f for f in sorted(warmup_dir.glob("mu_sft*")) if f.name not in done and (f / "config.json").is_file()]
+    if todo:                              # π_sft's rollouts once, then every μ on the same steps
+        retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
+        trajs = warmup.policy_dev_rollouts(args, warmup_dir, retriever)
+    for folder in todo:
+        mu = rubric_model.RubricModel.load(folder, device=args.device, dtype=args.dtype, autocast=args.autocast)
+        done[folder.name] = warmup.policy_dev_auc(mu, trajs, args.gen_batch)
+        env.write_json(path, done)
     return done
 
 
@@ -1608,22 +1608,21 @@ def study(argv: Sequence[str]) -> Path:
     runs = [open_run(d) for d in dirs]
     comp = compare_runs(runs, "dev", base.data_dir or None, base.device, False, base.dtype)
     md = comparison_markdown(comp)
-    curves = {arm: [] for arm in own.arms}
-    for run in runs:
-        curves[run.name.rsplit("-s", 1)[0]].append(train_reward_series(env.read_jsonl(run.dir / "metrics.jsonl")))
-    mean_curve = lambda series: [(x, sum(s[i][1] for s in series) / len(series))           # noqa: E731
-                                 for i, (x, _) in enumerate(series[0])] if series else []
+    curves = {arm: [] for arm in own.arms}                # mean training R per update
     dev = {arm: [] for arm in own.arms}                   # dev EM against the updates made before it
     for run in runs:
-        rows = env.read_jsonl(run.dir / "metrics.jsonl")
-        done = [sum(r["kind"] == "update" and r["epoch"] <= e["epoch"] for r in rows) for e in rows if e["kind"] == "eval"]
-        dev[run.name.rsplit("-s", 1)[0]].append(list(zip(done, [e["em"] for e in rows if e["kind"] == "eval"])))
+        rows, arm = env.read_jsonl(run.dir / "metrics.jsonl"), run.name.rsplit("-s", 1)[0]
+        curves[arm].append(train_reward_series(rows))
+        dev[arm].append([(sum(r["kind"] == "update" and r["epoch"] <= e["epoch"] for r in rows), e["em"])
+                         for e in rows if e["kind"] == "eval"])
+    mean_curve = lambda series: [(x, sum(s[i][1] for s in series) / len(series))           # noqa: E731
+                                 for i, (x, _) in enumerate(series[0])] if series else []
     for folder in [out] + ([Path(own.figures)] if own.figures else []):
         plot_lines({arm: mean_curve(s) for arm, s in curves.items()}, folder / "study_train_reward.png",
                    "mean R(τ) of the training rollouts (mean over seeds)", "mean R", xlabel="update")
         plot_lines({arm: mean_curve(s) for arm, s in dev.items()}, folder / "study_dev_em.png",
                    "dev EM (mean over seeds)", "EM (%)", xlabel="update")
-    room = credit_room(r for run in runs[:len(own.arms) * len(own.seeds):len(own.arms)]
+    room = credit_room(r for run in runs if run.name.startswith(f"{own.arms[0]}-s")      # each seed's epoch 0, once
                        for r in env.read_jsonl(run.dir / "traces" / "eval_epoch_0.jsonl"))
     md += (f"\nRoom for step credit: of π_sft's {room['failed']} failed dev trajectories (epoch 0, every seed), "
            f"{room['useful_then_useless']} hold a useful step followed by a useless one"

@@ -342,6 +342,13 @@ def auc(scores: Sequence[float], labels: Sequence[bool | int]) -> float | None:
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 
+def auc_by_step_type(scores: Sequence[float], labels: Sequence[bool], kinds: Sequence[str | None]) -> dict:
+    """auc of step scores against step labels for the search steps, the finish steps (`kinds`: each step's
+    valid action, None for an invalid one) and all of them."""
+    return {kind: auc([s for s, k in zip(scores, kinds) if kind in ("all", k)],
+                      [y for y, k in zip(labels, kinds) if kind in ("all", k)]) for kind in ("search", "finish", "all")}
+
+
 def report_predictions(path: str, examples: Sequence, source: str) -> int:
     """`python env.py --predictions FILE --dataset NAME`: score a predictions file against `examples` (the
     split env.py loaded), print the markdown table (overall, then per question type) and the JSON; returns

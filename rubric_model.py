@@ -883,11 +883,12 @@ def token_passes(seqs: Sequence[Sequence[int]], budget: int | None, start: int =
     trajectory, which Eq. 5 couples. Returns the passes in order; a pass is a list of parts, each part
     one packed row; a pass has several parts only when one unit alone exceeds the budget (its parts
     are then recomputed in the backward, gradient checkpointing)."""
+    units = units if units is not None else [[i] for i in range(len(seqs))]
     if budget is None:                    # no budget: each unit is a pass
-        return [[list(u)] for u in (units if units is not None else [[i] for i in range(len(seqs))])]
+        return [[list(u)] for u in units]
     size = lambda idx: len(pack([seqs[i] for i in idx], start).ids)     # noqa: E731
     passes: list[list[list[int]]] = []
-    for unit in (units if units is not None else [[i] for i in range(len(seqs))]):
+    for unit in units:
         unit = list(unit)
         if passes and len(passes[-1]) == 1 and size(passes[-1][0] + unit) <= budget:
             passes[-1][0] += unit
@@ -953,8 +954,8 @@ def training_passes(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: 
 def plain_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool, budget: int, units: list[list[int]]):
     """The plain engine: one ordinary forward pass per sequence, the reference's by a second one with the
     adapter disabled; one Pass per unit. No packing, no shared prefix, no checkpointing (`budget` unused)."""
-    def response_logq(ids: torch.Tensor, r: int) -> torch.Tensor:         # [L, H] → log-softmax at the r
-        return torch.log_softmax(_lm_head(bb, ids[len(ids) - r - 1:len(ids) - 1]), -1)   # positions before them
+    def response_logq(hidden: torch.Tensor, r: int) -> torch.Tensor:      # [L, H] → log-softmax at the r
+        return torch.log_softmax(_lm_head(bb, hidden[len(hidden) - r - 1:len(hidden) - 1]), -1)   # positions before them
     for unit in units:
         logprobs, kls, pooled = [], [], []
         for i in unit:
@@ -1216,7 +1217,7 @@ class ScoreHead(nn.Module):
 
     def __init__(self, d_model: int, k: int, hidden: int = 256):
         super().__init__()
-        self.k = k
+        self.k, self.d_model = k, d_model
         self.net = nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, k))
         nn.init.normal_(self.net[-1].weight, std=0.01)
         nn.init.zeros_(self.net[-1].bias)
@@ -1484,7 +1485,7 @@ class RubricModel:
         if not hidden:                                   # sampled rubrics: a score pass of their own
             return rubrics, self.score(contexts, rubrics, batch_size)
         return rubrics, self.step_scores(torch.stack([mean for _, mean in outs]) if outs else
-                                         torch.zeros((0, self.head.net[0].normalized_shape[0]), device=self.backbone.device))   # Eq. 2
+                                         torch.zeros((0, self.head.d_model), device=self.backbone.device))   # Eq. 2
 
     # -- score head: d_t = g_φ(mean-pool(hidden(q, h_t, a_t, r_t))) ------------------------
     def scoring_ids(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric] | None) -> list[list[int]]:
@@ -1520,7 +1521,7 @@ class RubricModel:
         n = len(contexts)
         rubrics = list(rubrics) if rubrics is not None else None
         if not n or batch_size is None or batch_size >= n:
-            pooled = self.pooled(contexts, rubrics) if n else torch.zeros((0, self.head.net[0].normalized_shape[0]))
+            pooled = self.pooled(contexts, rubrics) if n else torch.zeros((0, self.head.d_model))
         else:
             lengths = [len(c.prefix) + len(rubrics[i].text if rubrics else "") for i, c in enumerate(contexts)]
             parts, order = [], []

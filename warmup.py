@@ -49,7 +49,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 import env
-from evaluate import auc, main_guard, normalize_answer, parse_args
+from evaluate import auc_by_step_type, main_guard, normalize_answer, parse_args
 from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, ModelSettings, RubricModel, StepContext, add_lora,
                           chat_prompt_ids, check_model_available, contexts_from_trajectory, encode_response,
                           load_backbone, load_backbone_checkpoint, merge_lora, policy_act, save_backbone,
@@ -1524,22 +1524,24 @@ def policy_items(args: "Args", out_dir: Path, questions: Sequence[env.Example], 
 POLICY_PROBE_QUESTIONS = 100     # held-out dev questions π_sft plays once each for μ's step AUC before RL
 
 
-def policy_dev_auc(mu, args, out_dir: Path, retriever) -> dict:
-    """μ's step credit on π_sft's own rollouts of held-out dev questions, before any RL: the AUC of s_t for
-    useful vs useless steps (env.step_usefulness) by step type. The rollouts are seeded, so every μ of a
-    warmup is measured on the same steps (diagnostics.py --study shows each μ's)."""
+def policy_dev_rollouts(args, out_dir: Path, retriever) -> list[env.Trajectory]:
+    """π_sft's seeded rollouts of POLICY_PROBE_QUESTIONS held-out dev questions (one each, at the rollout
+    temperature): the steps on which every μ of a warmup is measured before RL (policy_dev_auc)."""
     dev = env.load_split(args.dataset, "dev", args.data_dir or None, POLICY_PROBE_QUESTIONS, args.seed + 1)
-    trajs, _ = on_policy_teacher(args, out_dir).rollout([(ex, 0) for ex in dev], retriever)
+    return on_policy_teacher(args, out_dir).rollout([(ex, 0) for ex in dev], retriever)[0]
+
+
+def policy_dev_auc(mu, trajs: Sequence[env.Trajectory], gen_batch: int) -> dict:
+    """μ's step credit on π_sft's own rollouts (policy_dev_rollouts), before any RL: the AUC of s_t for useful
+    vs useless steps (env.step_usefulness) by step type (diagnostics.py --study shows each μ's)."""
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
     mu.eval()
     with torch.no_grad():
-        _, scores = mu.annotate(contexts, 0.0, 128, args.gen_batch)
+        _, scores = mu.annotate(contexts, 0.0, 128, gen_batch)
     steps = [st for t in trajs for st in t.steps]
     labels = [u for t in trajs for u in env.step_usefulness(t)]
-    out = {"questions": len(dev), "steps": len(steps), "useful_share": sum(labels) / max(1, len(labels))}
-    for kind in ("search", "finish", "all"):
-        pick = [i for i, st in enumerate(steps) if kind == "all" or (st.valid and st.action == kind)]
-        out[kind] = auc([float(scores.s[i]) for i in pick], [labels[i] for i in pick])
+    out = {"questions": len(trajs), "steps": len(steps), "useful_share": sum(labels) / max(1, len(labels)),
+           **auc_by_step_type(scores.s.tolist(), labels, [st.action if st.valid else None for st in steps])}
     print(f"[warmup] μ's AUC on π_sft's own dev steps: search {out['search']}, finish {out['finish']}", flush=True)
     return out
 

@@ -397,3 +397,13 @@ def test_credit_room_counts_failed_trajectories_with_a_useful_step_then_a_useles
             row(1.0, [("search", 0, "A"), ("search", 5, "B"), ("finish", None, "1951")])]   # a success: left out
     assert dg.credit_room(rows) == {"failed": 3, "useful_then_useless": 2, "share": 2 / 3}
 
+
+
+def test_auc_by_step_type_by_hand():
+    """Search steps 0.9 (useful) and 0.1 (useless): 1.0; the finish steps hold one class only: None; all four
+    steps (the invalid one counts in 'all'): useful 0.9, 0.5 above useless 0.1, 0.2: 1.0."""
+    from evaluate import auc_by_step_type
+    assert auc_by_step_type([0.9, 0.1, 0.5, 0.2], [1, 0, 1, 0], ["search", "search", "finish", None]) == \
+        {"search": 1.0, "finish": None, "all": 1.0}
+    assert auc_by_step_type([0.2, 0.9, 0.1, 0.8], [1, 0, 1, 0], ["finish", "finish", "search", "search"]) == \
+        {"search": 0.0, "finish": 0.0, "all": 0.0}

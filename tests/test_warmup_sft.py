@@ -239,9 +239,12 @@ def test_mu_on_pi_own_rollouts_end_to_end_on_tiny_model(tiny_dir, tmp_path, retr
     assert (out / "mu_sft-policy" / "config.json").is_file() and not (out / "mu_sft").exists()
     monkeypatch.setattr(warmup, "POLICY_PROBE_QUESTIONS", 4)
     mu = rm.RubricModel.load(out / "mu_sft-policy", device="cpu")
-    first = warmup.policy_dev_auc(mu, args, out, retriever)
+    trajs = warmup.policy_dev_rollouts(args, out, retriever)
+    first = warmup.policy_dev_auc(mu, trajs, 4)
     assert first["questions"] == 4 and first["steps"] >= 4 and set(first) >= {"search", "finish", "all"}
-    assert warmup.policy_dev_auc(mu, args, out, retriever) == first                      # seeded: the same steps
+    again = warmup.policy_dev_rollouts(args, out, retriever)                          # seeded: the same steps
+    assert [[st.output for st in t.steps] for t in again] == [[st.output for st in t.steps] for t in trajs]
+    assert warmup.policy_dev_auc(mu, again, 4) == first
 
 
 def test_warmup_evaluates_on_its_own_dev_size_and_keeps_the_base_evaluation(tiny_dir, tmp_path, monkeypatch):
