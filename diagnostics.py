@@ -1518,13 +1518,16 @@ def loop_benchmark(args: arco.Args) -> dict:
 # Where step credit helps: on the long-horizon worlds, arms that differ only in where the advantage comes from,
 # from one shared warmup (π_sft), the same seed's batches, the same number of updates, trajectories per update,
 # π learning rate and λ_π. `oracle credit` is an analysis arm (not ARCO): the ground truth's step credit.
-STUDY_COMMON = ["--dataset", "synthetic-long", "--train-size", "64", "--epochs", "1", "--batch-size", "16",
+STUDY_COMMON = ["--dataset", "synthetic-long", "--train-size", "32", "--epochs", "1", "--batch-size", "8",
                 "--group-size", "4", "--dense-samples", "4", "--pi-lr-sparse", "2e-4", "--pi-lr-dense", "2e-4",
                 "--kl-pi-sparse", "0", "--kl-pi-dense", "0", "--alpha", "1", "--eval-size", "500",
-                "--warmup-size", "150", "--sft-questions-mu", "40", "--sft-eval-size", "100"]
+                "--warmup-size", "100", "--sft-epochs-pi", "1", "--sft-questions-mu", "40", "--sft-eval-size", "100",
+                "--warmup-questions", "before"]
+# 16 updates × 8 trajectories (2 questions × 4 samples) in every arm, on 32 questions the warmup did not use.
 # α 1: the dense advantage α (G_t − Ḡ_b) at the scale of outcome RL's R − mean R (the preset's α 0.5 would halve
-# the dense arms' step size); π SFT on 150 questions' oracle trajectories (its epoch chosen on 100 dev questions;
-# epoch 0 is then evaluated on the 500 by the first arm of each seed and shared), μ SFT on the first 40's.
+# the dense arms' step size). π SFT: one epoch on 100 questions' oracle trajectories, a deliberately partial π
+# (29 EM on 100 held-out questions; after two epochs on 150 it solves 95, which leaves no room for any credit);
+# epoch 0 is then evaluated on the 500 by the first arm of each seed and shared; μ SFT on the first 40's.
 STUDY_ARMS = {"outcome": ["--reward", "outcome"],                                 # R(τ) − the question's group mean
               "oracle-credit": ["--credit", "oracle", "--sparse-epochs", "0"],     # dense, ground-truth s_t
               "arco": ["--sparse-epochs", "0"],                                    # dense, μ's s_t
