@@ -688,11 +688,13 @@ def sft_only_evaluation(run_dir: Path, warmup_dir: Path, pi, dev, args: Args, re
         ev, trajs = evaluate_policy(pi, dev, args, retriever)
         rows = trace_rows(trajs, 0, -1)
         if dp.main and args.max_searches is None:  # kept beside the warmup: the next run of its settings reuses it
+            wanted = epoch0_settings(args)
+
             def write(tmp: Path) -> None:
                 env.write_jsonl(tmp / "traces.jsonl", [{k: v for k, v in r.items() if k not in ("epoch", "batch")}
                                                        for r in rows])
-                env.write_json(tmp / "metrics.json", {"sft_only": ev, "sft_only_settings": epoch0_settings(args)})
-            write_atomically(sft_only_cache(warmup_dir, epoch0_settings(args)), write)
+                env.write_json(tmp / "metrics.json", {"sft_only": ev, "sft_only_settings": wanted})
+            write_atomically(sft_only_cache(warmup_dir, wanted), write)
     return log_evaluation(run_dir, 0, ev, rows)
 
 

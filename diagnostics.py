@@ -1557,7 +1557,7 @@ def credit_room(rows: Iterable[dict]) -> dict:
     failed = [r for r in rows if not r["reward"]]
     room = 0
     for r in failed:
-        useful = env.step_usefulness(r)
+        useful = step_usefulness(r)
         room += any(u and not v for i, u in enumerate(useful) for v in useful[i + 1:])
     return {"failed": len(failed), "useful_then_useless": room, "share": room / len(failed) if failed else None}
 

@@ -398,7 +398,6 @@ def test_credit_room_counts_failed_trajectories_with_a_useful_step_then_a_useles
     assert dg.credit_room(rows) == {"failed": 3, "useful_then_useless": 2, "share": 2 / 3}
 
 
-
 def test_auc_by_step_type_by_hand():
     """Search steps 0.9 (useful) and 0.1 (useless): 1.0; the finish steps hold one class only: None; all four
     steps (the invalid one counts in 'all'): useful 0.9, 0.5 above useless 0.1, 0.2: 1.0."""
