@@ -808,8 +808,10 @@ def method_of(row: dict) -> str:
     if row.get("credit") == "oracle":
         return "oracle credit"
     variant = {"adaptive": "", "none": " w/o Rubric", "static": " w/o Adaptive", "prefix-free": " w/o Prefix"}
+    data = {"policy": " (μ SFT on π's rollouts)", "both": " (μ SFT on π's rollouts and the teacher's)"}
     return "ARCO" + variant.get(row.get("rubric"), f" {row.get('rubric')}") + ("" if row.get("k") in (3, None)
-                                                                                 else f" K={row['k']}")
+                                                                                 else f" K={row['k']}") + \
+        data.get(row.get("mu_data"), "")                  # --mu-data teacher (the paper's) adds nothing
 
 
 # Run arguments that tell seeds of one method apart (or only say where and how it ran), not its settings.
@@ -886,6 +888,7 @@ def compare_runs(runs: Sequence[Run], split: str, data_dir: str | None, device: 
         rows.append({"system": run.name, "checkpoint": run.checkpoint + (" (selected)" if run.selected else ""),
                      "run": str(run.dir), "reward": run.args.get("reward"), "credit": run.args.get("credit"),
                      "rubric": run.args.get("rubric") if mu else None, "k": run.args.get("k") if mu else None,
+                     "mu_data": run.args.get("mu_data") if mu else None,
                      **scores,
                      "vs_sft_only": paired_difference(question_em(run, 0), question_em(run, run.epoch))
                      if split == "dev" else None})

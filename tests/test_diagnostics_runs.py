@@ -131,8 +131,10 @@ def test_method_rows_pool_the_seeds_of_each_method(tmp_path):
     assert (m["method"], m["runs"], m["em"], m["em_spread"], m["sft_only_em"]) == ("ARCO", 2, 100.0, 0.0, 25.0)
     assert m["vs_sft_only"] == pytest.approx({"n": 4, "delta_em": 75.0, "half_width": 49.0})
     assert [dg.method_of(r) for r in ({"reward": "outcome"}, {"reward": "arco", "rubric": "none", "k": 3},
-                                      {"reward": "arco", "rubric": "adaptive", "k": 5})] == \
-        ["outcome RL", "ARCO w/o Rubric", "ARCO K=5"]
+                                      {"reward": "arco", "rubric": "adaptive", "k": 5},
+                                      {"reward": "arco", "rubric": "adaptive", "k": 3, "mu_data": "policy"},
+                                      {"reward": "arco", "rubric": "adaptive", "k": 3, "mu_data": "teacher"})] == \
+        ["outcome RL", "ARCO w/o Rubric", "ARCO K=5", "ARCO (μ SFT on π's rollouts)", "ARCO"]
 
 def test_method_rows_keep_runs_of_different_settings_apart(tmp_path):
     # Three outcome runs: seeds 1 and 2 at G = 4, seed 1 at G = 2. Only the G = 4 pair is pooled; each
