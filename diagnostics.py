@@ -809,9 +809,9 @@ def method_of(row: dict) -> str:
         return "oracle credit"
     variant = {"adaptive": "", "none": " w/o Rubric", "static": " w/o Adaptive", "prefix-free": " w/o Prefix"}
     data = {"policy": " (μ SFT on π's rollouts)", "both": " (μ SFT on π's rollouts and the teacher's)"}
-    return "ARCO" + variant.get(row.get("rubric"), f" {row.get('rubric')}") + ("" if row.get("k") in (3, None)
-                                                                                 else f" K={row['k']}") + \
-        data.get(row.get("mu_data"), "")                  # --mu-data teacher (the paper's) adds nothing
+    rubric = variant.get(row.get("rubric"), f" {row.get('rubric')}")
+    k = "" if row.get("k") in (3, None) else f" K={row['k']}"
+    return "ARCO" + rubric + k + data.get(row.get("mu_data"), "")     # --mu-data teacher (the paper's) adds nothing
 
 
 # Run arguments that tell seeds of one method apart (or only say where and how it ran), not its settings.
