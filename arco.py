@@ -35,12 +35,10 @@ The equations are small named functions, tested against hand-worked numbers that
     decomposition_loss    Eq. 5      (1/|B|) Σ_τ w_τ (Σ_t s_t − R(τ))²
     rubric_loss           Eq. 5      decomposition_loss + β Σ_t KL_t / (steps or |B|)
 
-Read top to bottom: the knobs (Args; the settings shared with warmup.py and the PRESETS are declared once,
-in warmup.py), the schedule, the equations, one iteration, the run (`run`: the outer loop of Algorithm 1);
-the section marked "Plumbing" after it is bookkeeping only (argument checks, warmup reuse, the one call
-each that reaches the engines and torchrun's ranks, logs, checkpoints, --resume, Ctrl-C, reports). The
-updates read each pass's numbers from rubric_model.training_passes: `--engine plain` computes them one
-ordinary forward per sequence (the code to read first), `fast` (the default) the same numbers faster.
+Read top to bottom: the knobs (Args; those shared with warmup.py, and the PRESETS, are in warmup.py), the
+schedule, the equations, one iteration, the run (Algorithm 1's outer loop); "Plumbing" after it is bookkeeping
+(checks, warmup reuse, the one call each to the engines and torchrun's ranks, logs, checkpoints, --resume,
+Ctrl-C, reports). `--engine plain` computes each pass one ordinary forward per sequence (the code to read).
 """
 from __future__ import annotations
 
@@ -87,10 +85,17 @@ class Args(warmup.Settings):
     reward: str = field(default="arco", metadata={"help": "arco (μ's dense rewards after the sparse epochs) or "
                                                            "outcome (binary-EM REINFORCE throughout, no μ: Search-R1-style)",
                                                   "choices": ["arco", "outcome"]})
-    credit: str = field(default="mu", metadata={"help": "where the dense epochs' step scores s_t come from: mu (ARCO) or "
-                                                         "oracle (an analysis arm, not ARCO: each step's ground-truth "
-                                                         "usefulness projected so that Σ_t s_t = R(τ); no μ)",
-                                                 "choices": ["mu", "oracle"]})
+    credit: str = field(default="mu", metadata={"help": "the dense epochs' s_t: mu (ARCO), or an analysis arm with no μ, "
+                                                         "not ARCO (env.ground_truth_scores): projection (ground truth "
+                                                         "shifted to Σ_t s_t = R) or causal (G_t = R − share of hops found)",
+                                                 "choices": ["mu", "projection", "causal"]})
+    mixed: bool = field(default=False, metadata={"help": "dense epochs add the outcome advantage: an analysis arm "
+                                                          "beyond the paper (PRIME-style), not ARCO"})
+    fork_from: str = field(default="", metadata={"path": "dir", "help": "start from another run's checkpoint folder "
+                                                                         "(π, μ, optimizers, logs): a study's arms"})
+    eval_every: int = field(default=0, metadata={"help": "evaluate on the first --curve-size dev questions every this "
+                                                          "many updates too (a learning curve; 0: at epoch ends only)"})
+    curve_size: int = field(default=200, metadata={"min": 1, "help": "dev questions of the --eval-every evaluations"})
     gpu_memory: float = field(default=80.0, metadata={"above": 0, "help": "GiB of the one device --dry-run's memory estimate "
                                                               "checks the run against (the paper: one 80 GB GPU)"})
     sampling: str = field(default="batch", metadata={
@@ -136,7 +141,6 @@ class Args(warmup.Settings):
     lora_dropout: float | None = field(default=None, metadata={"below": 1, "help": "dropout of π's and μ's RL LoRA adapters (release "
                                                                         "0.05); 0 makes a torchrun run's updates those "
                                                                         "of the single-process run"})
-    max_new_tokens_mu: int | None = field(default=None, metadata={"min": 1, "help": "μ's max new tokens per rubric (128)"})
     max_searches: int | None = field(default=None, metadata={"min": 1, "help": "search budget (default: 3, MuSiQue 6)"})
     pass_tokens: int | None = field(default=None, metadata={"min": 1, "help": "most tokens in one training pass (memory): an update "
                                                                     "is cut into passes; a trajectory longer than this "
@@ -148,9 +152,7 @@ class Args(warmup.Settings):
         "choices": ["within", "before"]})
 
 
-# ----------------------------------------------------------------------------------------
-# The schedule (Alg. 1, lines 3–5)
-# ----------------------------------------------------------------------------------------
+# --- The schedule (Alg. 1, lines 3–5) ---------------------------------------------------
 
 def is_dense(epoch: int, args: Args) -> bool:
     """Alg. 1, line 4: use_dense ← (epoch ≥ η), epochs counted from 1, η = sparse_epochs + 1. The
@@ -162,9 +164,9 @@ def epoch_plan(args: Args, n_train: int) -> list[dict]:
     """Per epoch: its phase and batch composition, as the release makes them. `batch_size` counts
     trajectories: a sparse epoch takes batch_size / G questions × G samples each (GRPO-style groups),
     a dense epoch batch_size questions × 1 sample (the release; --dense-samples G matches a dense epoch's
-    updates to a sparse one's, for a fair comparison of where the advantage comes from). Every epoch goes once through all n_train
-    questions, the last batch smaller when they do not divide (no drop_last). `selectable` marks the
-    epochs after the transition, among which the paper picks its checkpoint (§4.1)."""
+    updates to a sparse one's, for a fair comparison of where the advantage comes from). Every epoch goes
+    once through all n_train questions, the last batch smaller when they do not divide (no drop_last).
+    `selectable` marks the epochs after the transition, among which the paper picks its checkpoint (§4.1)."""
     plan = []
     for epoch in range(1, args.epochs + 1):
         dense = is_dense(epoch, args)
@@ -186,9 +188,7 @@ def epoch_batches(train: Sequence, epoch: int, args: Args) -> list[list]:
     return chunks([train[i] for i in order], epoch_plan(args, len(train))[epoch - 1]["questions_per_batch"])
 
 
-# ----------------------------------------------------------------------------------------
-# The equations (Eq. 3–5, Alg. 1 line 31)
-# ----------------------------------------------------------------------------------------
+# --- The equations (Eq. 3–5, Alg. 1 line 31) --------------------------------------------
 
 TERMINAL = "terminal"
 
@@ -323,9 +323,7 @@ def rubric_loss(s: torch.Tensor, trajectory: torch.Tensor, R: torch.Tensor,
     return loss
 
 
-# ----------------------------------------------------------------------------------------
-# One iteration of Algorithm 1 (lines 5–38)
-# ----------------------------------------------------------------------------------------
+# --- One iteration of Algorithm 1 (lines 5–38) ------------------------------------------
 
 def annotate(mu, trajs, args: Args) -> tuple[list, list, torch.Tensor, torch.Tensor]:
     """Alg. 1, lines 15–19: μ writes r_t for every step and scores it: d_t, s_t (Eq. 2).
@@ -341,13 +339,15 @@ def advantages(trajs, s: torch.Tensor | None, dense: bool, args: Args) -> tuple[
     """Alg. 1, lines 26–32: per-step advantages; 0 on invalid steps (outside V_τ)."""
     valid = [[st.valid for st in t.steps] for t in trajs]
     info: dict = {}
-    if not dense:                                                                   # line 31
-        groups = [(t.example.dataset, t.example.id) for t in trajs] if args.sparse_baseline == "group" else None
-        A_tau = outcome_advantages([t.reward for t in trajs], groups)
+    groups = [(t.example.dataset, t.example.id) for t in trajs] if args.sparse_baseline == "group" else None
+    A_tau = outcome_advantages([t.reward for t in trajs], groups)                                  # line 31
+    if not dense:
         return [[a if ok else 0.0 for ok in v] for a, v in zip(A_tau, valid)], info
     G = [reward_to_go(s[r.start:r.stop].tolist()) for r in env.step_ranges(trajs)]  # line 28, Eq. 3
     buckets = [step_buckets([st.action for st in t.steps], v) for t, v in zip(trajs, valid)]
     A = bucketed_advantages(G, buckets, valid, args.alpha, args.bucket_fallback)   # line 29, Eq. 4
+    if args.mixed:              # the mixed analysis arm, not ARCO: A_t = A_outcome(τ) + α (G_t − Ḡ_b)
+        A = [[a + o if ok else 0.0 for a, ok in zip(a_t, v)] for a_t, o, v in zip(A, A_tau, valid)]
     info = {"G": G, "buckets": buckets, "mean_G_per_bucket": bucket_means(G, buckets, valid)}
     return A, info
 
@@ -414,8 +414,8 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, phase: dict, ar
         t0 = time.time()
         contexts, rubrics, d, s = annotate(mu, trajs, args)                                      # lines 15–19
         row["seconds_mu_annotate"] = time.time() - t0
-    if args.credit == "oracle":                  # the analysis arm: ground-truth step credit in place of μ's
-        s = torch.tensor([x for t in trajs for x in oracle_credit(env.step_usefulness(t), t.reward)])
+    if args.credit != "mu":                      # an analysis arm: ground-truth step scores in place of μ's
+        s = torch.tensor([x for t in trajs for x in env.ground_truth_scores(t, args.credit)])
     A, info = advantages(trajs, s, phase["dense"], args)                                          # lines 26–32
     t0 = time.time()
     row.update(policy_update(pi, opt_pi, trajs, A, args, phase["kl_pi"]))                          # lines 33–35
@@ -429,14 +429,13 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, phase: dict, ar
                invalid_rate=sum(not st.valid for st in steps) / len(steps),
                mean_s=float(s.mean()) if s is not None else None,
                rubric_parse_rate=sum(r.parsed for r in rubrics) / len(rubrics) if rubrics else None,
-               mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gib=peak_rss_gib())
+               mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gib=peak_rss_gib(),
+               **credit_stats(trajs, s, A, info))
     log_iteration(run_dir, row, trace_rows(trajs, epoch, b, rubrics, d, s, A, info))
     return row
 
 
-# ----------------------------------------------------------------------------------------
-# The run: Algorithm 1 from the warmup to the selected checkpoint
-# ----------------------------------------------------------------------------------------
+# --- The run: Algorithm 1 from the warmup to the selected checkpoint --------------------
 
 def run(args: Args) -> Path:
     """Algorithm 1 end to end, the warmup first where it is missing; returns the run folder."""
@@ -448,6 +447,8 @@ def run(args: Args) -> Path:
     torch.manual_seed(args.seed)                 # the fresh LoRA adapters' initialization
     pi, mu = build_models(args, warmup_dir)                          # line 1: π ← π_sft, μ ← μ_sft
     opt_pi, opt_mu = make_optimizers(pi, mu, args)
+    if last is None and args.fork_from:          # a study's arm: from the shared sparse phase's checkpoint
+        last = fork(run_dir, Path(args.fork_from), args)
     if last is None:                             # epoch 0: the SFT-only policy's dev evaluation
         history, start_epoch, start_batch = [sft_only_evaluation(run_dir, warmup_dir, pi, dev, args, retriever)], 1, 0
     else:
@@ -465,6 +466,8 @@ def run(args: Args) -> Path:
                     row = iteration(pi, mu, opt_pi, opt_mu, batches[b], epoch, b, phase, args, retriever,
                                     run_dir)                                                   # lines 5–38
                     show(update_line(row, epoch, b))
+                    if args.eval_every and (b + 1) % args.eval_every == 0 and b + 1 < len(batches):
+                        learning_curve_point(run_dir, epoch, b, pi, dev[:args.curve_size], args, retriever)
                     if ctrl_c.agreed() and b + 1 < len(batches):
                         ctrl_c.stop(run_dir, pi, mu, opt_pi, opt_mu, epoch, history, b + 1)
                 ev, trajs = evaluate_policy(pi, dev, args, retriever)
@@ -507,8 +510,9 @@ def resolve_args(args: Args) -> Args:
     if args.mu_model is None:
         args.mu_model = args.model
     if not args.name:
-        args.name = "outcome" if args.reward == "outcome" else "oracle-credit" if args.credit == "oracle" else \
+        args.name = "outcome" if args.reward == "outcome" else f"{args.credit}-oracle" if args.credit != "mu" else \
             "arco" + ("" if args.rubric == "adaptive" else f"-{args.rubric}") + ("" if args.k == 3 else f"-k{args.k}")
+        args.name += "-mixed" if args.mixed else ""
     problems = []
     if not 0 <= args.sparse_epochs <= args.epochs:
         problems.append(f"--sparse-epochs {args.sparse_epochs} must be between 0 and --epochs {args.epochs}")
@@ -520,8 +524,12 @@ def resolve_args(args: Args) -> Args:
     if args.batch_size % args.dense_samples:
         problems.append(f"--batch-size {args.batch_size} (trajectories) must be a multiple of --dense-samples "
                         f"{args.dense_samples}")
-    if args.credit == "oracle" and args.reward == "outcome":
-        problems.append("--credit oracle needs --reward arco (outcome RL has no dense epochs)")
+    if (args.credit != "mu" or args.mixed) and args.reward == "outcome":
+        problems.append(f"--credit {args.credit}{' --mixed' if args.mixed else ''} needs --reward arco (outcome RL "
+                        f"has no dense epochs)")
+    if args.mixed and args.sparse_baseline == "group" and args.dense_samples < 2:
+        problems.append("--mixed with --sparse-baseline group needs --dense-samples 2 or more (its outcome advantage "
+                        "is R minus the question's mean)")
     if problems:
         sys.exit("error: " + "; ".join(problems))
     return args
@@ -589,7 +597,7 @@ def uses_mu(args: Args) -> bool:
 
 
 def mu_folder(args: Args) -> str:
-    return mu_dir_name(args.rubric, args.k, args.mu_model, args.model, args.mu_data)
+    return mu_dir_name(asdict(args))
 
 
 def build_models(args: Args, warmup_dir: Path):
@@ -732,7 +740,7 @@ def resume_from(folder: Path, run_dir: Path, args: Args):
     comes after it; returns them with the epoch and batch to continue from and the evaluations so far."""
     load = dict(device=args.device, dtype=args.dtype, autocast=args.autocast)
     pi, _ = load_backbone_checkpoint(folder / "pi", **load)
-    mu = RubricModel.load(folder / "mu", **load) if (folder / "mu").is_dir() else None
+    mu = RubricModel.load(folder / "mu", **load) if (folder / "mu").is_dir() and uses_mu(args) else None
     state = torch.load(folder / "optim.pt", weights_only=True, map_location="cpu")
     opt_pi, opt_mu = make_optimizers(pi, mu, args)
     opt_pi.load_state_dict(state["opt_pi"])
@@ -743,7 +751,7 @@ def resume_from(folder: Path, run_dir: Path, args: Args):
     if not dp.main:
         return pi, mu, opt_pi, opt_mu, epoch, batch, saved["history"]
     rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("epoch", 0) < epoch or (
-        r["epoch"] == epoch and r["kind"] == "update" and r["batch"] < batch))
+        r["epoch"] == epoch and r["kind"] in ("update", "curve") and r["batch"] < batch))
     for f in (run_dir / "traces").glob("*epoch_*.jsonl"):
         if int(f.stem.split("_")[-1]) >= epoch:
             rewrite_jsonl(f, lambda r: not f.name.startswith("eval") and r["batch"] < batch and r["epoch"] == epoch)
@@ -941,16 +949,66 @@ def bucket_means(G, buckets, valid) -> dict:
     return {b: sum(v) / len(v) for b, v in per_bucket.items()}
 
 
-# The oracle-credit arm (issue 33): an analysis arm, not Algorithm 1.
+def credit_stats(trajs, s, A, info) -> dict:
+    """For the log of a dense or μ-scored update (issue 41): the mean s_t by step type and position
+    (`search@1`, `finish@4`, …; valid steps), the correlation over the batch of Σ_t s_t − R(τ) with the number of
+    searches (does the credit reward length?), and each bucket holding one valid step (Eq. 4's singleton, where
+    --bucket-fallback puts the batch's mean G as its baseline) with the advantage that step got."""
+    if s is None:
+        return {}
+    by: dict[str, list[float]] = {}
+    excess, searches = [], []
+    for t, r in zip(trajs, env.step_ranges(trajs)):
+        scores = s[r.start:r.stop].tolist()
+        for i, (st, x) in enumerate(zip(t.steps, scores), 1):
+            if st.valid:
+                by.setdefault(f"{st.action}@{i}", []).append(x)
+        excess.append(sum(scores) - t.reward)
+        searches.append(sum(st.valid and st.action == "search" for st in t.steps))
+    sd = float(torch.tensor(excess).std()) * float(torch.tensor(searches, dtype=torch.float).std()) if len(trajs) > 1 else 0
+    corr = float(torch.corrcoef(torch.tensor([excess, searches], dtype=torch.float))[0, 1]) if sd > 0 else None
+    singletons = []
+    if "buckets" in info:
+        counts: dict = {}
+        for t, b_t in zip(trajs, info["buckets"]):
+            for st, b in zip(t.steps, b_t):
+                if b is not None and (st.valid or b == TERMINAL):
+                    counts[b] = counts.get(b, 0) + 1
+        singletons = [{"bucket": b, "action": st.action, "A": a} for t, b_t, a_t in zip(trajs, info["buckets"], A)
+                      for st, b, a in zip(t.steps, b_t, a_t) if b is not None and st.valid and counts[b] == 1]
+    return {"mean_s_by_step": {k: sum(v) / len(v) for k, v in sorted(by.items())},
+            "corr_excess_searches": corr, "singleton_buckets": singletons}
 
-def oracle_credit(useful: Sequence[bool], R: float) -> list[float]:
-    """The oracle-credit arm's s_t for one trajectory (an analysis arm, not in the paper: the ceiling of the
-    step credit any μ could give π): +1 for a useful step, −1 for a useless one (env.step_usefulness), all
-    shifted by one constant so that Σ_t s_t = R(τ), the decomposition Eq. 5 asks of μ; the order of the
-    steps' scores is kept."""
-    raw = [1.0 if u else -1.0 for u in useful]
-    shift = (float(R) - sum(raw)) / len(raw)
-    return [x + shift for x in raw]
+
+def fork(run_dir: Path, checkpoint: Path, args: Args) -> Path:
+    """--fork-from: a study's arm starts from another run's checkpoint (issue 41: the arms share Algorithm 1's
+    sparse phase, then fork at the dense transition): that run's logs are copied in, and resume_from then loads
+    π, μ, both optimizers and the history from the checkpoint and cuts the logs there."""
+    parent = checkpoint.parent.parent
+    if not (checkpoint / "state.json").is_file():
+        sys.exit(f"error: --fork-from {checkpoint}: not a checkpoint folder (no state.json); give "
+                 f"runs/<dataset>/<run>/checkpoints/epoch_K")
+    if uses_mu(args) and not (checkpoint / "mu" / "config.json").is_file():
+        sys.exit(f"error: --fork-from {checkpoint} holds no μ, and this run (ARCO) needs one: fork from an ARCO run")
+    if uses_mu(args) and RubricModel.load(checkpoint / "mu", device="cpu").rubric_mode != args.rubric:
+        sys.exit(f"error: the μ in {checkpoint} is not a --rubric {args.rubric} μ: fork from a run of that μ")
+    if dp.main:
+        shutil.copyfile(parent / "metrics.jsonl", run_dir / "metrics.jsonl")
+        shutil.rmtree(run_dir / "traces", ignore_errors=True)
+        shutil.copytree(parent / "traces", run_dir / "traces")
+        print(f"[arco] forking {run_dir} from {checkpoint}", flush=True)
+    dp.barrier()
+    return checkpoint
+
+
+def learning_curve_point(run_dir: Path, epoch: int, b: int, pi, dev, args: Args, retriever) -> None:
+    """--eval-every: a greedy evaluation on the first --curve-size dev questions after update b, logged as a
+    `curve` row of metrics.jsonl (its traces in traces/curve_epoch_<epoch>.jsonl)."""
+    ev, trajs = evaluate_policy(pi, dev, args, retriever)
+    if dp.main:
+        env.write_jsonl(run_dir / "metrics.jsonl", [{"kind": "curve", "epoch": epoch, "batch": b, **ev}], append=True)
+        env.write_jsonl(run_dir / "traces" / f"curve_epoch_{epoch}.jsonl", trace_rows(trajs, epoch, b), append=True)
+        print(f"[arco] epoch {epoch} after batch {b}: dev EM {ev['em']:.1f} on {len(dev)} questions", flush=True)
 
 
 def passes(bb, seqs, lens, args: Args, kl: bool = False, units=None):

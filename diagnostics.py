@@ -658,9 +658,7 @@ class Run:
         return self.dir / "checkpoints" / self.checkpoint / "pi"
 
     def warmup_mu_dir(self) -> Path:
-        a = self.args
-        return self.warmup_dir / warmup.mu_dir_name(a.get("rubric", "adaptive"), a.get("k", 3), a.get("mu_model") or "",
-                                                    a.get("model") or "embedded", a.get("mu_data", "teacher"))
+        return self.warmup_dir / warmup.mu_dir_name(self.args)
 
     def mu_dirs(self) -> list[tuple[int, Path]]:
         """(epoch, folder) of μ after each finished RL epoch, in order."""
@@ -805,8 +803,12 @@ def method_of(row: dict) -> str:
     """The method a run row belongs to, whatever its seed: outcome RL, ARCO, ARCO w/o Rubric, …"""
     if row.get("reward") == "outcome":
         return "outcome RL"
-    if row.get("credit") == "oracle":
-        return "oracle credit"
+    if row.get("credit") in ("oracle", "projection"):          # "oracle": its name before issue 41
+        return "projection oracle"
+    if row.get("credit") == "causal":
+        return "causal oracle"
+    if row.get("mixed"):
+        return "mixed (outcome + μ's dense advantage)"
     variant = {"adaptive": "", "none": " w/o Rubric", "static": " w/o Adaptive", "prefix-free": " w/o Prefix"}
     data = {"policy": " (μ SFT on π's rollouts)", "both": " (μ SFT on π's rollouts and the teacher's)"}
     rubric = variant.get(row.get("rubric"), f" {row.get('rubric')}")
@@ -884,9 +886,9 @@ def compare_runs(runs: Sequence[Run], split: str, data_dir: str | None, device: 
     for run in runs:
         scores = evaluation(run, split, data_dir, device, reevaluate, dtype)
         scores = {k: v for k, v in scores.items() if k not in ("checkpoint", "split")}   # the row says them
-        mu = run.args.get("reward") != "outcome" and run.args.get("credit") != "oracle"
+        mu = run.args.get("reward") != "outcome" and run.args.get("credit", "mu") == "mu"
         rows.append({"system": run.name, "checkpoint": run.checkpoint + (" (selected)" if run.selected else ""),
-                     "run": str(run.dir), "reward": run.args.get("reward"), "credit": run.args.get("credit"),
+                     "run": str(run.dir), "reward": run.args.get("reward"), "credit": run.args.get("credit"), "mixed": run.args.get("mixed"),
                      "rubric": run.args.get("rubric") if mu else None, "k": run.args.get("k") if mu else None,
                      "mu_data": run.args.get("mu_data") if mu else None,
                      **scores,
@@ -1517,139 +1519,6 @@ def loop_benchmark(args: arco.Args) -> dict:
     return result
 
 
-# --- the credit study (issue 33) ------------------------------------------------------------------------
-# Where step credit helps: on the long-horizon worlds, arms that differ only in where the advantage comes from,
-# from one shared warmup (π_sft), the same seed's batches, the same number of updates, trajectories per update,
-# π learning rate and λ_π. `oracle credit` is an analysis arm (not ARCO): the ground truth's step credit.
-STUDY_COMMON = ["--dataset", "synthetic-long", "--train-size", "32", "--epochs", "1", "--batch-size", "8",
-                "--group-size", "4", "--dense-samples", "4", "--pi-lr-sparse", "2e-4", "--pi-lr-dense", "2e-4",
-                "--kl-pi-sparse", "0", "--kl-pi-dense", "0", "--alpha", "1", "--eval-size", "500",
-                "--warmup-size", "100", "--sft-epochs-pi", "1", "--sft-questions-mu", "40", "--sft-eval-size", "100",
-                "--warmup-questions", "before"]
-# 16 updates × 8 trajectories (2 questions × 4 samples) in every arm, on 32 questions the warmup did not use.
-# α 1: the dense advantage α (G_t − Ḡ_b) at the scale of outcome RL's R − mean R (the preset's α 0.5 would halve
-# the dense arms' step size). π SFT: one epoch on 100 questions' oracle trajectories, a deliberately partial π
-# (29 EM on 100 held-out questions; after two epochs on 150 it solves 95, which leaves no room for any credit);
-# epoch 0 is then evaluated on the 500 by the first arm of each seed and shared; μ SFT on the first 40's.
-STUDY_ARMS = {"outcome": ["--reward", "outcome"],                                 # R(τ) − the question's group mean
-              "oracle-credit": ["--credit", "oracle", "--sparse-epochs", "0"],     # dense, ground-truth s_t
-              "arco": ["--sparse-epochs", "0"],                                    # dense, μ's s_t
-              "arco-norubric": ["--sparse-epochs", "0", "--rubric", "none"],       # dense, μ without r_t
-              "arco-policy-mu": ["--sparse-epochs", "0", "--mu-data", "policy"]}   # dense, μ SFT on π_sft's rollouts
-
-
-def update_aucs(run_dir: Path) -> list[dict]:
-    """Per update of an ARCO run, the AUC of s_t for useful vs useless steps of its own training batch, each
-    batch scored by the μ that scored it (no pooling across μ states), by step type: search, finish, all."""
-    out = []
-    for path in sorted((run_dir / "traces").glob("epoch_*.jsonl"), key=lambda f: int(f.stem.split("_")[1])):
-        batches: dict = defaultdict(list)
-        for row in env.read_jsonl(path):
-            batches[row["batch"]] += [st for st in row["steps"] if "s" in st and "useful" in st]
-        for b, steps in sorted(batches.items()):
-            out.append({"epoch": int(path.stem.split("_")[1]), "batch": b, **auc_by_step_type(
-                [st["s"] for st in steps], [st["useful"] for st in steps],
-                [st.get("action") if st.get("valid") else None for st in steps])})
-    return out
-
-
-def credit_room(rows: Iterable[dict]) -> dict:
-    """How much room step credit has in a policy's trajectories (trace rows): the share of failed ones (R = 0)
-    holding a useful step followed later by a useless one — where outcome credit blames the useful step
-    with the rest and step credit need not (issue 33 asks for a third or more on the long worlds)."""
-    failed = [r for r in rows if not r["reward"]]
-    room = 0
-    for r in failed:
-        useful = step_usefulness(r)
-        room += any(u and not v for i, u in enumerate(useful) for v in useful[i + 1:])
-    return {"failed": len(failed), "useful_then_useless": room, "share": room / len(failed) if failed else None}
-
-
-def fmt_auc(v) -> str:
-    return "–" if v is None else f"{v:.2f}"
-
-
-def study_mu_aucs(args, warmup_dir: Path, out: Path) -> dict:
-    """Each μ of the study's warmup on the same seeded π_sft rollouts of held-out dev questions
-    (warmup.policy_dev_auc), computed once and kept in <study>/mu_auc_before_rl.json."""
-    path = out / "mu_auc_before_rl.json"
-    done = json.loads(path.read_text()) if path.is_file() else {}
-    todo = [f for f in sorted(warmup_dir.glob("mu_sft*")) if f.name not in done and (f / "config.json").is_file()]
-    if todo:                              # π_sft's rollouts once, then every μ on the same steps
-        retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
-        trajs = warmup.policy_dev_rollouts(args, warmup_dir, retriever)
-    for folder in todo:
-        mu = rubric_model.RubricModel.load(folder, device=args.device, dtype=args.dtype, autocast=args.autocast)
-        done[folder.name] = warmup.policy_dev_auc(mu, trajs, args.gen_batch)
-        env.write_json(path, done)
-    return done
-
-
-def study(argv: Sequence[str]) -> Path:
-    """`python diagnostics.py --study [--seeds 0 1 2] [--arms outcome oracle-credit ...] [arco.py flags]`: the
-    credit study, resumable (a finished run is kept, an unfinished one resumed), then its table (paired 95%
-    intervals against outcome RL of the same seed), μ's per-update AUC and the learning curves, written to
-    <out-dir>/synthetic-long/study/."""
-    import argparse
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    pre.add_argument("--arms", nargs="+", default=list(STUDY_ARMS), choices=list(STUDY_ARMS))
-    pre.add_argument("--figures", default="", help="also write the learning curves here (the README's figures/)")
-    own, rest = pre.parse_known_args(list(argv))
-    base = arco.resolve_args(parse_args(arco.Args, STUDY_COMMON + list(rest)))
-    root = Path(base.out_dir) / base.dataset
-    warm = ["--warmup-dir", str(root / "study-warmup")]
-    dirs = []
-    for seed in own.seeds:                    # every arm of a seed, then the next seed: results come in whole
-        for arm in own.arms:
-            name = f"{arm}-s{seed}"
-            run_dir = root / name
-            dirs.append(run_dir)
-            if (run_dir / "selection.json").is_file():
-                continue
-            resume = ["--resume"] if (run_dir / "args.json").is_file() else []
-            print(f"[study] {name}: {'resuming' if resume else 'starting'}", flush=True)
-            arco.main(STUDY_COMMON + list(rest) + STUDY_ARMS[arm] + warm + ["--seed", str(seed), "--name", name] + resume)
-    out = root / "study"
-    runs = [open_run(d) for d in dirs]
-    comp = compare_runs(runs, "dev", base.data_dir or None, base.device, False, base.dtype)
-    md = comparison_markdown(comp)
-    curves = {arm: [] for arm in own.arms}                # mean training R per update
-    dev = {arm: [] for arm in own.arms}                   # dev EM against the updates made before it
-    for run in runs:
-        rows, arm = env.read_jsonl(run.dir / "metrics.jsonl"), run.name.rsplit("-s", 1)[0]
-        curves[arm].append(train_reward_series(rows))
-        dev[arm].append([(sum(r["kind"] == "update" and r["epoch"] <= e["epoch"] for r in rows), e["em"])
-                         for e in rows if e["kind"] == "eval"])
-    mean_curve = lambda series: [(x, sum(s[i][1] for s in series) / len(series))           # noqa: E731
-                                 for i, (x, _) in enumerate(series[0])] if series else []
-    for folder in [out] + ([Path(own.figures)] if own.figures else []):
-        plot_lines({arm: mean_curve(s) for arm, s in curves.items()}, folder / "study_train_reward.png",
-                   "mean R(τ) of the training rollouts (mean over seeds)", "mean R", xlabel="update")
-        plot_lines({arm: mean_curve(s) for arm, s in dev.items()}, folder / "study_dev_em.png",
-                   "dev EM (mean over seeds)", "EM (%)", xlabel="update")
-    room = credit_room(r for run in runs if run.name.startswith(f"{own.arms[0]}-s")      # each seed's epoch 0, once
-                       for r in env.read_jsonl(run.dir / "traces" / "eval_epoch_0.jsonl"))
-    md += (f"\nRoom for step credit: of π_sft's {room['failed']} failed dev trajectories (epoch 0, every seed), "
-           f"{room['useful_then_useless']} hold a useful step followed by a useless one"
-           + (f" ({100 * room['share']:.0f}%).\n" if room["share"] is not None else ".\n"))
-    aucs = {run.name: update_aucs(run.dir) for run in runs if run.has_mu}
-    before_rl = study_mu_aucs(base, root / "study-warmup", out)
-    md += "\nμ's AUC on π_sft's own rollouts of 100 held-out dev questions, before RL (search / finish / all):\n\n"
-    md += "".join(f"- {name}: {fmt_auc(a['search'])} / {fmt_auc(a['finish'])} / {fmt_auc(a['all'])} "
-                  f"({a['steps']} steps, {100 * a['useful_share']:.0f}% useful)\n" for name, a in before_rl.items())
-    md += "\nμ's AUC on π's own training steps, per update (each batch scored by the μ that scored it):\n\n"
-    for name, rows in aucs.items():
-        md += f"- {name}: search " + " ".join(fmt_auc(r["search"]) for r in rows) + "; finish " + \
-              " ".join(fmt_auc(r["finish"]) for r in rows) + "\n"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "study.md").write_text(md, encoding="utf-8")
-    env.write_json(out / "study.json", {"comparison": comp, "update_aucs": aucs, "mu_auc_before_rl": before_rl,
-                                        "credit_room": room})
-    print(md)
-    return out
-
-
 def run_command(args: "Args") -> None:
     """`--run`: the comparison table (printed and written), then with --diagnose the diagnostics."""
     runs = [open_run(f, args.checkpoint) for f in args.run]
@@ -1681,10 +1550,6 @@ def run_command(args: "Args") -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--study" in argv:               # the credit study takes arco.py's flags too (issue 33)
-        argv.remove("--study")
-        study(argv)
-        return
     if "--benchmark" in argv:           # the loop benchmark takes arco.py's flags (its preset, sizes, models)
         argv.remove("--benchmark")
         loop_benchmark(arco.resolve_args(parse_args(arco.Args, argv, description=loop_benchmark.__doc__)))

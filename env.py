@@ -856,6 +856,43 @@ def step_usefulness(trajectory, supporting: Sequence[int] | None = None) -> list
     return out
 
 
+# The analysis arms' step scores (arco.py --credit projection | causal): ground truth in μ's place, not ARCO.
+
+def projection_credit(useful: Sequence[bool], R: float) -> list[float]:
+    """The projection oracle's s_t for one trajectory (issue 33): +1 for a useful step, −1 for a useless one
+    (step_usefulness), all shifted by one constant so that Σ_t s_t = R(τ), the decomposition Eq. 5 asks of μ.
+    The shift depends on the whole trajectory (its length and outcome): an early step's score looks into the
+    future, so this is no ceiling for a μ that sees only the prefix (issue 41)."""
+    raw = [1.0 if u else -1.0 for u in useful]
+    shift = (float(R) - sum(raw)) / len(raw)
+    return [x + shift for x in raw]
+
+
+def causal_credit(found: Sequence[bool], n_hops: int, R: float) -> list[float]:
+    """The causal oracle's s_t for one trajectory (issue 41), potential-based: Φ(h_t) = the share of the chain's
+    `n_hops` supporting paragraphs found before step t (found[k]: step k retrieved one not seen before), and
+    s_t = Φ(h_{t+1}) − Φ(h_t) for every step but the last, which closes the sum: s_T = R − Φ(h_T). Then
+    Σ_t s_t = R (Φ(h_1) = 0) and Eq. 3's return is G_t = R − Φ(h_t); a step's own score uses nothing after
+    its own observation."""
+    phi, s = 0.0, []
+    for t, new in enumerate(found):
+        if t == len(found) - 1:
+            s.append(float(R) - phi)
+        else:
+            s.append(new / n_hops)                  # Φ(h_{t+1}) − Φ(h_t)
+            phi += new / n_hops
+    return s
+
+
+def ground_truth_scores(traj: Trajectory, credit: str) -> list[float]:
+    """The analysis arms' s_t of a trajectory of a world whose supporting paragraphs are known."""
+    useful = step_usefulness(traj)
+    if credit == "projection":
+        return projection_credit(useful, traj.reward)
+    found = [u and st.valid and st.action == "search" for u, st in zip(useful, traj.steps)]
+    return causal_credit(found, len(traj.example.supporting), traj.reward)
+
+
 def dev_metrics(trajs: Sequence[Trajectory]) -> dict:
     """evaluate's numbers from its trajectories (a data-parallel run computes them on all ranks' trajectories)."""
     n = max(len(trajs), 1)

@@ -115,6 +115,20 @@ class Settings(ModelSettings):
     sft_batch_mu: int | None = field(default=None, metadata={"min": 1, "help": "warmup μ SFT steps per optimizer step (release 32)"})
     sft_questions_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT on the trajectories of the first "
                                                                           "this many warmup questions (0 = all; release)"})
+    max_new_tokens_mu: int | None = field(default=None, metadata={"min": 1, "help": "μ's max new tokens per rubric (128)"})
+    # What μ's SFT learns from (issue 41); each non-default value gets a μ folder of its own (mu_dir_name).
+    criteria: str = field(default="verdict", metadata={
+        "help": "the criteria text of μ SFT: verdict (the oracle's: it names what happened, e.g. 'hop 2 of 3', the "
+                "gold target, 'k of N supporting paragraphs found') or check (checks written from the step's visible "
+                "context alone, check_criteria: the verdict lives in the scores only)", "choices": ["verdict", "check"]})
+    head_fit: str = field(default="teacher", metadata={
+        "help": "what the score-head fit (--sft-head-steps) reads: teacher (the teacher's criteria, as Eq. 7) or own "
+                "(μ's own greedy rubric of each SFT step: the text the head reads at RL time)",
+        "choices": ["teacher", "own"]})
+    balance_finishes: bool = field(default=False, metadata={
+        "help": "μ SFT and the head fit: repeat the rarer of right and wrong Finish steps until both weigh alike"})
+    policy_samples: int | None = field(default=None, metadata={"min": 1,
+        "help": "--mu-data policy/both: π_sft's rollouts per μ SFT question (default: --warmup-samples)"})
 
 
 # Presets: plain dicts, for both scripts (arco.py's knobs too). `paper` is the authors' release recipe for HotpotQA/Qwen (configs/hotpotqa/*.yaml and
@@ -624,6 +638,42 @@ def oracle_rubric(traj: env.Trajectory, intents: Sequence[Intent], n_targets: in
         criteria.append(_cycle(c, K))
         scores.append(_cycle(s, K))
     return criteria, scores
+
+
+def _title(observation: str) -> str:
+    return observation.split(": ", 1)[0]
+
+
+def check_criteria(steps_before: Sequence[env.Step], step: env.Step, K: int) -> list[str]:
+    """K criteria for one step written as checks from what the step's context shows (issue 41), in the slots of
+    oracle_rubric's scores: the question's chain, the paragraphs found so far (their titles, from h_t), the
+    action and the searches left. Nothing here knows the gold evidence or what the step brought back, so a
+    useful and a useless action in the same context get criteria that differ only in the query or answer
+    they quote; whether the check passes is said by the oracle's scores alone (μ's score head must read it
+    from the context, as it must at RL time, when μ writes its criteria itself)."""
+    found = list(dict.fromkeys(_title(s.observation) for s in steps_before if s.valid and s.action == "search"))
+    queries = [s.argument for s in steps_before if s.valid and s.action == "search"]
+    last = f"the last paragraph ({found[-1]})" if found else "the question"
+    titles = ", ".join(found) or "none yet"
+    arg = step.argument
+    if step.valid and step.action == "search":
+        c = [f"Search[{arg}] looks up the next link of the question's chain, named by {last}",
+             f"\"{arg}\" brings back a paragraph the answer depends on, not one of: {titles}",
+             f"\"{arg}\" repeats none of the {len(queries)} earlier quer{'y' if len(queries) == 1 else 'ies'}",
+             "The query is short and names one entity or relation",
+             f"A search is still needed, with {_plural(step.searches_left, 'search')} left"]
+    elif step.valid and step.action == "finish":
+        c = [f"Finish[{arg}] gives what the question asks for",
+             f"\"{arg}\" is stated in the paragraphs found: {titles}",
+             f"Time to stop: the {len(found)} paragraph{'' if len(found) == 1 else 's'} found cover every link the "
+             f"question names, "
+             f"{_plural(step.searches_left, 'search')} left",
+             "A short, well-formed answer (a name, date, number or yes/no)",
+             f"\"{arg}\" agrees with the facts found"]
+    else:
+        c = ["The output is one well-formed Search[query] or Finish[answer] action",
+             f"The step makes progress on the question ({step.reason})"]
+    return _cycle(c, K)
 
 
 class OracleTeacher:
@@ -1171,12 +1221,13 @@ def policy_sft_examples(records: Sequence[dict], min_reward: float = 1.0, requir
     return out
 
 
-def rubric_sft_examples(records: Sequence[dict]) -> list[dict]:
+def rubric_sft_examples(records: Sequence[dict], criteria: str = "verdict") -> list[dict]:
     """μ SFT data (App. B, "Rubric warmup"; Eq. 7): one item per step with K non-empty criteria.
 
     Each item: question, prefix h_t (the history text before the step, as π saw it), action a_t,
     searches left, the K criteria r̃_t and the K projected scores ŝ_t. Pass records through
-    `filter_records` first.
+    `filter_records` first. `criteria` "check" replaces the teacher's criteria text by check_criteria
+    (the scores are the teacher's, slot for slot; for the oracle teacher's records).
     """
     out = []
     for r in records:
@@ -1184,11 +1235,30 @@ def rubric_sft_examples(records: Sequence[dict]) -> list[dict]:
         for t, (s, raw) in enumerate(zip(steps, r["steps"])):
             if not criteria_ok(raw, r["K"]) or raw.get("scores") is None:
                 continue
+            text = check_criteria(steps[:t], s, r["K"]) if criteria == "check" else list(raw["criteria"])
             out.append({"id": r["id"], "sample": r["sample"], "step": t, "question": r["question"],
                         "prefix": env.format_history(steps[:t]), "action": s.action_text(),
                         "searches_left": s.searches_left, "forced_finish": s.forced_finish,
-                        "criteria": list(raw["criteria"]), "scores": list(raw["scores"])})
+                        "criteria": text, "scores": list(raw["scores"])})
     return out
+
+
+def right_finish(item: dict) -> bool:
+    """A μ SFT item of a Finish step the teacher scored right (its first score: the answer is right)."""
+    return item["action"].startswith("Finish[") and item["scores"][0] > 0
+
+
+def balanced_finishes(items: Sequence[dict]) -> list[dict]:
+    """--balance-finishes: the rarer of right and wrong Finish items repeated (in order, cycling) until both
+    classes count alike; search items as they are. A choice of ours (issue 41): π_sft's rollouts hold few right
+    finishes (18 of 79 in the credit study), and Eq. 7's squared error is then met by scoring every finish low."""
+    fin = [it for it in items if it["action"].startswith("Finish[")]
+    right = [it for it in fin if right_finish(it)]
+    wrong = [it for it in fin if not right_finish(it)]
+    if not right or not wrong:
+        return list(items)
+    few, many = (right, wrong) if len(right) < len(wrong) else (wrong, right)
+    return list(items) + [few[j % len(few)] for j in range(len(many) - len(few))]
 
 
 # ----------------------------------------------------------------------------------------
@@ -1374,15 +1444,21 @@ def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr:
     return losses
 
 
-def fit_score_head(mu, items: Sequence[dict], steps: int, lr: float, micro_batch: int = 8) -> list[float]:
+def fit_score_head(mu, items: Sequence[dict], steps: int, lr: float, micro_batch: int = 8, own: bool = False,
+                   max_new_tokens: int = 128, gen_batch: int = 16) -> list[float]:
     """Eq. 7's score term minimized further over the score head φ alone, the backbone fixed: each
-    step's pooled vector h̄_t (Eq. 2, on the teacher's rubric; packed as in rubric_sft_backward)
-    computed once, then `steps` full-batch Adam steps on the squared error ‖g_φ(h̄_t) − ŝ_t‖² (mean over
-    steps × K). A choice of ours (README, "Where the paper is silent"): with a laptop's few hundred μ
-    SFT steps, the joint epochs leave the head near the targets' mean (it ranked even its own training
-    steps at AUC 0.65), while the pooled vectors already separate useful from useless steps. The same
-    objective as Eq. 7's λ-term, so the paper's minimizer is unchanged. Returns the term before and after."""
+    step's pooled vector h̄_t (Eq. 2; packed as in rubric_sft_backward) computed once, then `steps`
+    full-batch Adam steps on the squared error ‖g_φ(h̄_t) − ŝ_t‖² (mean over steps × K). A choice of ours
+    (README, "Where the paper is silent"): with a laptop's few hundred μ SFT steps, the joint epochs leave
+    the head near the targets' mean (it ranked even its own training steps at AUC 0.65), while the pooled
+    vectors already separate useful from useless steps. h̄_t is read on the teacher's rubric (Eq. 7's
+    text), or with `own` (--head-fit own, issue 41) on μ's own greedy rubric of the step: the text the head
+    reads at RL time, where the teacher's cues are absent. Returns the term before and after."""
     contexts, rubrics, targets = rubric_items(mu, items)
+    if own:                           # μ writes r_t itself (greedy, as at RL time); the head learns to read that
+        mu.eval()
+        with torch.no_grad():
+            rubrics = mu.generate_rubrics(contexts, 0.0, max_new_tokens, gen_batch)
     seqs = mu.scoring_ids(contexts, rubrics)
     mu.eval()
     with torch.no_grad():
@@ -1420,16 +1496,25 @@ def collection_suffix(K: int) -> str:
     return "" if K == 3 else f"-k{K}"
 
 
-def mu_dir_name(rubric_mode: str = "adaptive", K: int = 3, mu_model: str = "", model: str = "embedded",
-                mu_data: str = "teacher") -> str:
-    """The folder of a warmup's μ: `mu_sft` for ARCO's own μ (adaptive, K = 3, π's backbone), and
-    one folder per variant beside it (`mu_sft-none`, `mu_sft-k5`, ...), so that every run of the
-    paper's comparisons shares one collection and one π SFT."""
-    suffix = "" if rubric_mode == "adaptive" else f"-{rubric_mode}"
-    suffix += collection_suffix(K)
+def mu_dir_name(settings: dict) -> str:
+    """The folder of a warmup's μ, from a run's settings (asdict of the arguments, or a run's args.json):
+    `mu_sft` for ARCO's own μ (adaptive, K = 3, π's backbone, the teacher's data and text), and one folder
+    per variant beside it (`mu_sft-none`, `mu_sft-k5`, `mu_sft-policy-q40-check-ownhead`, ...), so that
+    every run of the paper's comparisons and every row of the μ ladder shares one collection and one π SFT.
+    A setting missing from `settings` (a run made before it existed) counts as its default."""
+    def get(key: str, default):
+        return default if settings.get(key) is None else settings[key]
+    suffix = "" if get("rubric", "adaptive") == "adaptive" else f"-{settings['rubric']}"
+    suffix += collection_suffix(get("k", 3))
+    mu_model, model = get("mu_model", ""), get("model", "embedded")
     if mu_model and mu_model != model:
         suffix += "-" + re.sub(r"[^A-Za-z0-9._-]+", "_", mu_model.strip("/").split("/")[-1])
-    return "mu_sft" + suffix + ("" if mu_data == "teacher" else f"-{mu_data}")
+    if get("mu_data", "teacher") != "teacher":           # π_sft's rollouts: of how many questions, how many each
+        suffix += f"-{settings['mu_data']}-q{get('sft_questions_mu', 0) or 'all'}"
+        suffix += f"-n{settings['policy_samples']}" if get("policy_samples", None) else ""
+    suffix += "-check" if get("criteria", "verdict") == "check" else ""
+    suffix += "-ownhead" if get("head_fit", "teacher") == "own" and get("sft_head_steps", 0) else ""
+    return "mu_sft" + suffix + ("-bal" if get("balance_finishes", False) else "")
 
 
 def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: Sequence[dict], retriever,
@@ -1471,7 +1556,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
               flush=True)
         del pi
         env.write_json(out_dir / "metrics.json", metrics)
-    name = mu_dir_name(args.rubric, args.k, args.mu_model, args.model, args.mu_data)
+    name = mu_dir_name(dataclasses.asdict(args))
     if not args.train_mu:
         return metrics
     if (out_dir / name / "config.json").is_file():
@@ -1480,6 +1565,8 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         return metrics
     if args.mu_data != "teacher":               # issue 33: μ learns on π_sft's own rollouts (or on both)
         mu_items = policy_items(args, out_dir, mu_questions, retriever) + (list(mu_items) if args.mu_data == "both" else [])
+    if args.balance_finishes:
+        mu_items = balanced_finishes(mu_items)
     mu_backbone = load_backbone(args.mu_model or args.model, device=args.device, dtype=args.dtype,
                                 autocast=args.autocast)
     torch.manual_seed(args.seed)                # μ's score head, LoRA and dropout (whether π was reused or not)
@@ -1488,15 +1575,23 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     m = metrics.setdefault("mu", {}).setdefault(name, {})
     m["token_reduction"] = args.token_reduction
     m.update({key: getattr(args, key) for key in MU_SFT_SETTINGS})          # what check_mu_settings compares
+    finishes = [it for it in mu_items if it["action"].startswith("Finish[")]
+    m.update(sft_items=len(mu_items), sft_finishes=len(finishes), sft_right_finishes=sum(map(right_finish, finishes)))
     m["mu_sft_terms_before"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
     m["mu_sft_loss_per_epoch"] = train_rubric_sft(mu, mu_items, args.sft_epochs_mu, args.sft_lr_mu,
                                                   args.sft_head_lr, args.score_weight, args.sft_batch_mu,
                                                   args.seed, args.progress, args.micro_batch, args.weight_decay,
                                                   args.token_reduction, args.engine)
     if args.sft_head_steps:
-        m["mu_head_fit_error"] = fit_score_head(mu, mu_items, args.sft_head_steps, args.sft_head_lr)
+        m["mu_head_fit_error"] = fit_score_head(mu, mu_items, args.sft_head_steps, args.sft_head_lr,
+                                                own=args.head_fit == "own", max_new_tokens=args.max_new_tokens_mu,
+                                                gen_batch=args.gen_batch)
     m["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
     write_atomically(out_dir / name, mu.save)                                 # a kill leaves none
+    # metrics.json read again before writing: another warmup of the folder (a μ variant trained beside this one)
+    # may have added its μ meanwhile.
+    now = json.loads((out_dir / "metrics.json").read_text()) if (out_dir / "metrics.json").is_file() else {}
+    metrics = {**metrics, **now, "mu": {**now.get("mu", {}), name: m}}
     metrics.update(m)                 # the last μ trained, also at the top level (as before variants)
     env.write_json(out_dir / "metrics.json", metrics)
     return metrics
@@ -1513,12 +1608,14 @@ def policy_items(args: "Args", out_dir: Path, questions: Sequence[env.Example], 
     temperature), every step annotated by the oracle from the gold evidence and projected (Eq. 6); collected
     into policy_rollouts/ beside the teacher's records, resumable as they are."""
     folder = out_dir / "policy_rollouts"
-    collect(questions, on_policy_teacher(args, out_dir), retriever, folder, args.warmup_samples, args.k, args.tol,
-            args.progress)
+    collect(questions, on_policy_teacher(args, out_dir), retriever, folder, args.policy_samples or args.warmup_samples,
+            args.k, args.tol, args.progress)
     kept, dropped = filter_records(env.read_jsonl(folder / f"records{collection_suffix(args.k)}.jsonl"), args.k, args.tol)
     print(f"[warmup] μ SFT on π_sft's own rollouts: {len(kept)} trajectories kept (dropped: {dict(dropped) or 'none'})",
           flush=True)
-    return rubric_sft_examples(kept)
+    wanted = {ex.id for ex in questions}             # the records of the asked questions and samples only
+    kept = [r for r in kept if r["id"] in wanted and r["sample"] < (args.policy_samples or args.warmup_samples)]
+    return rubric_sft_examples(kept, args.criteria)
 
 
 POLICY_PROBE_QUESTIONS = 100     # held-out dev questions π_sft plays once each for μ's step AUC before RL
@@ -1531,13 +1628,13 @@ def policy_dev_rollouts(args, out_dir: Path, retriever) -> list[env.Trajectory]:
     return on_policy_teacher(args, out_dir).rollout([(ex, 0) for ex in dev], retriever)[0]
 
 
-def policy_dev_auc(mu, trajs: Sequence[env.Trajectory], gen_batch: int) -> dict:
+def policy_dev_auc(mu, trajs: Sequence[env.Trajectory], gen_batch: int, max_new_tokens: int = 128) -> dict:
     """μ's step credit on π_sft's own rollouts (policy_dev_rollouts), before any RL: the AUC of s_t for useful
     vs useless steps (env.step_usefulness) by step type (diagnostics.py --study shows each μ's)."""
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
     mu.eval()
     with torch.no_grad():
-        _, scores = mu.annotate(contexts, 0.0, 128, gen_batch)
+        _, scores = mu.annotate(contexts, 0.0, max_new_tokens, gen_batch)      # μ's own greedy rubric
     steps = [st for t in trajs for st in t.steps]
     labels = [u for t in trajs for u in env.step_usefulness(t)]
     out = {"questions": len(trajs), "steps": len(steps), "useful_share": sum(labels) / max(1, len(labels)),
@@ -1566,7 +1663,7 @@ def summarize(records: Sequence[dict], examples: Sequence[env.Example], run: dic
     kept, dropped = filter_records([r for r in records if r["id"] in first], args.k, args.tol)
     pi_dropped = Counter()
     pi = policy_sft_examples(records, args.min_reward, args.require_evidence, pi_dropped)
-    mu = rubric_sft_examples(kept)
+    mu = rubric_sft_examples(kept, args.criteria)
     rewards = Counter(f"{r['reward']:g}" for r in records)
     return {"records": len(records), "reward_1": rewards.get("1", 0), "reward_0": rewards.get("0", 0),
             "evidence_found": sum(bool(r.get("evidence_found")) for r in records),
@@ -1669,13 +1766,13 @@ def run(args: Args) -> Path:
     if not pi or not mu:
         raise ValueError(f"nothing to fine-tune on: {len(pi)} π SFT and {len(mu)} μ SFT examples")
     m = run_sft(args, out_dir, pi, mu, retriever, examples[:args.sft_questions_mu or len(examples)]).get("mu", {}).get(
-        mu_dir_name(args.rubric, args.k, args.mu_model, args.model, args.mu_data))
+        mu_dir_name(dataclasses.asdict(args)))
     if m and "mu_sft_terms_after" in m:
         print(f"μ SFT, Eq. 7 terms on {min(len(mu), args.warmup_probe)} items: text NLL "
               f"{m['mu_sft_terms_before']['text_nll']:.2f} -> {m['mu_sft_terms_after']['text_nll']:.2f}, score "
               f"error {m['mu_sft_terms_before']['score_sq_error']:.3f} -> "
               f"{m['mu_sft_terms_after']['score_sq_error']:.3f}")
-    print(f"written to {out_dir}/ (pi_sft/, {mu_dir_name(args.rubric, args.k, args.mu_model, args.model, args.mu_data)}/, "
+    print(f"written to {out_dir}/ (pi_sft/, {mu_dir_name(dataclasses.asdict(args))}/, "
           f"metrics.json, records{ks}.jsonl, summary{ks}.json)")
     return out_dir
 

@@ -306,22 +306,30 @@ def test_the_whole_loop_writes_the_same_numbers_on_both_engines(tiny_run, tiny_d
     assert len(rows["fast"]) == 6 and first_difference(rows["plain"], rows["fast"]) is None
 
 
-def test_the_oracle_credit_arm_scores_steps_by_their_ground_truth(tiny_run, tiny_dir):
-    """--credit oracle (issue 33's analysis arm): no μ is loaded or trained, and the dense epoch's s_t are
-    oracle_credit of each step's ground-truth label (written in the traces), Σ_t s_t = R(τ)."""
+@pytest.mark.parametrize("credit", ["projection", "causal"])
+def test_the_ground_truth_arms_score_steps_by_their_ground_truth(tiny_run, tiny_dir, credit):
+    """--credit projection | causal (the analysis arms of issues 33 and 41): no μ is loaded or trained, and the
+    dense epoch's s_t are env.ground_truth_scores of each step (the labels written in the traces), Σ_t s_t = R(τ);
+    for the causal oracle G_t = R − Φ(h_t), Φ the share of the chain's paragraphs found before step t."""
     warm = tiny_run / "synthetic" / "warmup"
-    arco.main(tiny_args(tiny_dir, tiny_run, credit="oracle", warmup_dir=warm))
-    run = tiny_run / "synthetic" / "oracle-credit"
+    arco.main(tiny_args(tiny_dir, tiny_run, credit=credit, warmup_dir=warm))
+    run = tiny_run / "synthetic" / f"{credit}-oracle"
     assert not (run / "checkpoints" / "epoch_2" / "mu").exists()
     updates = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "update"]
     assert [r["dense"] for r in updates] == [False, False, True] and "rubric_loss" not in updates[-1]
     for row in read_jsonl(run / "traces" / "epoch_2.jsonl"):
         s = [st["s"] for st in row["steps"]]
-        assert s == pytest.approx(arco.oracle_credit([st["useful"] for st in row["steps"]], row["reward"]), abs=1e-4)
+        useful = [st["useful"] for st in row["steps"]]
+        if credit == "projection":
+            assert s == pytest.approx(env.projection_credit(useful, row["reward"]), abs=1e-4)
+        else:
+            found = [u and st["valid"] and st["action"] == "search" for u, st in zip(useful, row["steps"])]
+            phi = [sum(found[:t]) / 2 for t in range(len(found))]           # the synthetic worlds: 2 hops
+            assert [st["G"] for st in row["steps"]] == pytest.approx([row["reward"] - p for p in phi], abs=1e-4)
         assert sum(s) == pytest.approx(row["reward"], abs=1e-3)
         assert [st["G"] for st in row["steps"]] == pytest.approx(arco.reward_to_go(s), abs=1e-3)
-    with pytest.raises(SystemExit, match="--credit oracle needs --reward arco"):
-        arco.main(tiny_args(tiny_dir, tiny_run, credit="oracle", reward="outcome", warmup_dir=warm))
+    with pytest.raises(SystemExit, match=f"--credit {credit} needs --reward arco"):
+        arco.main(tiny_args(tiny_dir, tiny_run, credit=credit, reward="outcome", warmup_dir=warm))
 
 
 def test_learning_rate_and_kl_switch_at_the_transition(tiny_run, tiny_dir, monkeypatch):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import diagnostics as dg
+import study
 import env
 from diagnostics import (auc, best_threshold, binding_item, cohen_kappa, crossfit_judge, judge_stats, mean_ci,
                       proportion_ci, redundancy, redundancy_summary,
@@ -395,7 +396,7 @@ def test_credit_room_counts_failed_trajectories_with_a_useful_step_then_a_useles
             row(0.0, [("search", 4, "B"), ("finish", None, "1900")]),                        # never useful
             row(0.0, [("search", 0, "A"), ("search", 1, "C"), ("finish", None, "1900")]),   # useful, useful, wrong
             row(1.0, [("search", 0, "A"), ("search", 5, "B"), ("finish", None, "1951")])]   # a success: left out
-    assert dg.credit_room(rows) == {"failed": 3, "useful_then_useless": 2, "share": 2 / 3}
+    assert study.credit_room(rows) == {"failed": 3, "useful_then_useless": 2, "share": 2 / 3}
 
 
 def test_auc_by_step_type_by_hand():

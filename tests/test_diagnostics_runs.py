@@ -12,12 +12,14 @@ import html
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
 import arco
 import env
 import diagnostics as dg
+import study
 import rubric_model as rm
 import warmup
 from conftest import ChatServer
@@ -493,37 +495,65 @@ def test_diagnose_plots_page_and_printed_paths(diagnosed, runs):
     assert not (runs / "arco-k7" / "diagnostics.json").exists()              # one run is diagnosed
 
 
-def test_the_credit_study_branches_its_arms_from_one_start_and_resumes(tiny_dir, tmp_path):
-    """diagnostics.py --study (issue 33) on the tiny model, one seed, outcome RL and oracle credit: both arms
-    share the warmup and epoch 0 (evaluated once), start from the same weights and draw the same first batch
-    (the same questions and, the same π sampling them with the same seed, the same rollouts), make the same
-    number of updates of the same size; the table pairs oracle credit with outcome RL of the same seed; a
-    second call finds every run finished and trains nothing."""
+def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny_dir, tmp_path, monkeypatch):
+    """study.py fork (issue 41) on the tiny model, one seed, every arm: one sparse phase (μ co-evolving by Eq. 5),
+    then each arm forked from its last checkpoint: every arm starts from the same π, μ and optimizer states
+    (the rubric-free arm from its own sparse run), shares the sparse phase's logs, and draws the same first
+    dense batch; the curves have a point every --eval-every updates; the table pairs each arm with outcome RL
+    of the same seed; a second call finds every run finished and trains nothing."""
     argv = tiny_args(tiny_dir, tmp_path, train_size=4, eval_size=3, group_size=2, dense_samples=2, batch_size=4,
-                     epochs=1, warmup_size=4) + ["--seeds", "0", "--arms", "outcome", "oracle-credit",
-                                                 "--figures", str(tmp_path / "figures")]
-    out = dg.study([a for a in argv if a not in ("--dataset", "synthetic")])
+                     epochs=2, sparse_epochs=1, warmup_size=4, sft_eval_size=3, eval_every=1, curve_size=2)
+    argv = [a for a in argv if a not in ("--dataset", "synthetic")]          # the study's synthetic-long
+    started = {}
+    resume_from = arco.resume_from
+
+    def recording(folder, run_dir, args):
+        out = resume_from(folder, run_dir, args)
+        pi, mu, opt_pi, opt_mu = out[:4]
+        started[run_dir.name] = (Path(folder).parent.parent.name, out[4:6],
+                                 sum(float(p.detach().double().sum()) for p in pi.model.parameters()),
+                                 None if mu is None else sum(float(p.detach().double().sum()) for p in
+                                                             [*mu.backbone.model.parameters(), *mu.head.parameters()]),
+                                 sum(float(v.double().sum()) for st in opt_pi.state_dict()["state"].values()
+                                     for v in st.values()))
+        return out
+    monkeypatch.setattr(arco, "resume_from", recording)
+    arms = list(study.ARMS)
+    out = study.fork_study(argv, [0], arms)
     root = tmp_path / "synthetic-long"
+    assert {name: s[:2] for name, s in started.items()} == {
+        f"{arm}-s0": ("sparse-norubric-s0" if arm == "arco-norubric" else "sparse-s0", (2, 0)) for arm in arms}
+    same = [started[f"{arm}-s0"] for arm in arms if arm != "arco-norubric"]
+    assert len({s[2] for s in same}) == 1 and len({s[4] for s in same}) == 1     # π and its AdamW state
+    assert len({s[3] for s in same if s[3] is not None}) == 1                    # μ of the μ arms
+    assert {arm for arm in arms if started[f"{arm}-s0"][3] is not None} == {"arco", "mixed", "arco-norubric"}
+    sparse = read_jsonl(root / "sparse-s0" / "metrics.jsonl")
+    assert [r["dense"] for r in sparse if r["kind"] == "update"] == [False, False]
+    assert all("decomposition_mse" in r for r in sparse if r["kind"] == "update")   # μ co-evolves while sparse
     first = {}
-    for arm in ("outcome", "oracle-credit"):
+    for arm in arms:
         rows = read_jsonl(root / f"{arm}-s0" / "metrics.jsonl")
         updates = [r for r in rows if r["kind"] == "update"]
-        assert [(r["trajectories"], r["questions"]) for r in updates] == [(4, 2), (4, 2)]
-        assert [r["dense"] for r in updates] == ([False, False] if arm == "outcome" else [True, True])
-        batch0 = [t for t in read_jsonl(root / f"{arm}-s0" / "traces" / "epoch_1.jsonl") if t["batch"] == 0]
+        assert [(r["epoch"], r["trajectories"], r["questions"]) for r in updates] == [(1, 4, 2)] * 2 + [(2, 4, 2)] * 2
+        if arm != "arco-norubric":
+            assert [r["mean_R"] for r in updates[:2]] == [r["mean_R"] for r in sparse if r["kind"] == "update"]
+        assert [r["dense"] for r in updates[2:]] == ([False] * 2 if arm == "outcome" else [True] * 2)
+        assert [(r["kind"], r["epoch"]) for r in rows if r["kind"] != "update"] == \
+            [("eval", 0), ("curve", 1), ("eval", 1), ("curve", 2), ("eval", 2)]
+        assert len(study.dev_curve(root / f"{arm}-s0")) == 5
+        batch0 = [t for t in read_jsonl(root / f"{arm}-s0" / "traces" / "epoch_2.jsonl") if t["batch"] == 0]
         first[arm] = [(t["id"], [st["output"] for st in t["steps"]]) for t in batch0]
-    assert first["outcome"] == first["oracle-credit"]
-    cache = root / "study-warmup" / "sft_only_evaluations"                  # epoch 0: the warmup's, or one
-    assert not cache.exists() or len(list(cache.iterdir())) <= 1             # evaluation shared by the arms
-    table = (out / "study.md").read_text()
-    assert "oracle credit" in table and "Δ EM vs outcome RL, same seed" in table
-    study_json = json.loads((out / "study.json").read_text())
-    vs = [m for m in study_json["comparison"]["methods"] if m["method"] == "oracle credit"][0]["vs_outcome"]
+        if arm in ("arco", "mixed"):
+            assert {"mean_s_by_step", "corr_excess_searches", "singleton_buckets"} <= set(updates[-1])
+    assert len({json.dumps(v) for v in first.values()}) == 1
+    table = (out / "fork.md").read_text()
+    assert "causal oracle" in table and "mixed" in table and "Δ EM vs outcome RL, same seed" in table
+    fork = json.loads((out / "fork.json").read_text())
+    vs = [m for m in fork["comparison"]["methods"] if m["method"] == "causal oracle"][0]["vs_outcome"]
     assert vs["n"] == 3                                         # the 3 dev questions, paired
-    for name in ("study_train_reward.png", "study_dev_em.png"):
-        assert (out / name).stat().st_size > 1000 and (tmp_path / "figures" / name).is_file()
-    assert study_json["credit_room"]["failed"] == sum(not r["reward"] for r in read_jsonl(
-        root / "outcome-s0" / "traces" / "eval_epoch_0.jsonl"))
-    stamp = (root / "outcome-s0" / "metrics.jsonl").stat().st_mtime_ns
-    dg.study([a for a in argv if a not in ("--dataset", "synthetic")])
-    assert (root / "outcome-s0" / "metrics.jsonl").stat().st_mtime_ns == stamp
+    assert len(fork["update_aucs"]["sparse-s0"]) == 2 and "decomposition_mse" in fork["update_aucs"]["sparse-s0"][0]
+    assert (out / "study_dev_em.png").stat().st_size > 1000
+    stamps = {arm: (root / f"{arm}-s0" / "metrics.jsonl").stat().st_mtime_ns for arm in arms}
+    started.clear()
+    study.fork_study(argv, [0], arms)
+    assert started == {} and stamps == {arm: (root / f"{arm}-s0" / "metrics.jsonl").stat().st_mtime_ns for arm in arms}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import arco
+import env
 
 V = json.loads((Path(__file__).parent / "vectors.json").read_text())
 
@@ -101,12 +102,26 @@ def test_decomposition_loss_of_a_pass_counts_only_its_trajectories():
     assert float(second) == pytest.approx(0.08) and float(first + second) == pytest.approx(0.085)
 
 
-@pytest.mark.parametrize("case", V["oracle_credit"])
-def test_oracle_credit(case):
-    s = arco.oracle_credit(case["useful"], case["R"])
+@pytest.mark.parametrize("case", V["projection_credit"])
+def test_projection_credit(case):
+    s = env.projection_credit(case["useful"], case["R"])
     assert s == pytest.approx(case["s"]) and sum(s) == pytest.approx(case["R"])           # Σ_t s_t = R(τ)
     useful = [x for x, u in zip(s, case["useful"]) if u]
     assert all(u > x for u in useful for x, k in zip(s, case["useful"]) if not k)         # order kept
+
+
+@pytest.mark.parametrize("case", V["causal_credit"])
+def test_causal_credit(case):
+    """The causal oracle (issue 41): Σ_t s_t = R, Eq. 3's G_t = R − Φ(h_t), and no step's score reads a later
+    step: the same prefix gives the same scores before the last step whatever follows."""
+    s = env.causal_credit(case["found"], case["n_hops"], case["R"])
+    assert s == pytest.approx(case["s"]) and sum(s) == pytest.approx(case["R"])
+    assert arco.reward_to_go(s) == pytest.approx(case["G"])
+    for t in range(len(s) - 1):
+        for tail in ([True], [False, False], [True, True, False]):
+            for R in (0.0, 1.0):
+                other = env.causal_credit(case["found"][:t + 1] + tail, case["n_hops"], R)
+                assert other[:t + 1] == pytest.approx(s[:t + 1])
 
 
 @pytest.mark.parametrize("case", V["rubric_loss"])
@@ -156,3 +171,36 @@ def test_dense_advantages_by_hand():
     # the release's fallback: search_2's one step takes the mean G of the 5 valid steps, 2.5/5 = 0.5
     A, _ = arco.advantages(trajs, s, True, phase_args(alpha=1.0, bucket_fallback=True))
     approx_rows(A, [[0.3, 0.1, -0.05], [0.0, -0.3, 0.05]])
+
+
+def test_mixed_advantages_by_hand():
+    """--mixed (issue 41's analysis arm, not ARCO): the outcome advantage R(τ) − its group's mean added to every
+    valid step's dense advantage α (G_t − Ḡ_b); invalid steps stay 0."""
+    trajs = [trajectory("q1", 1.0, [("search", True), ("search", True), ("finish", True)]),
+             trajectory("q1", 0.0, [("invalid", False), ("search", True), ("finish", True)])]
+    s = torch.tensor([0.4, 0.4, 0.2, 4.6, 0.1, 0.3])
+    # dense part as in test_dense_advantages_by_hand: [0.3, 0.0, -0.05], [0, -0.3, 0.05]; outcome: q1's mean
+    # 0.5, so +0.5 and -0.5
+    A, _ = arco.advantages(trajs, s, True, phase_args(alpha=1.0, mixed=True, dense_samples=2))
+    approx_rows(A, [[0.8, 0.5, 0.45], [0.0, -0.8, -0.45]])
+    A, _ = arco.advantages(trajs, s, True, phase_args(alpha=1.0, mixed=True, sparse_baseline="batch", dense_samples=2))
+    approx_rows(A, [[0.8, 0.5, 0.45], [0.0, -0.8, -0.45]])       # one question: the batch mean is its mean
+
+
+def test_credit_stats_by_hand():
+    """The per-update credit statistics of issue 41: mean s_t by step type and position over valid steps, the
+    correlation of Σ_t s_t − R with the number of searches, and the one-step buckets with their advantage."""
+    trajs = [trajectory("q1", 1.0, [("search", True), ("search", True), ("finish", True)]),
+             trajectory("q2", 0.0, [("invalid", False), ("search", True), ("finish", True)]),
+             trajectory("q3", 0.0, [("search", True), ("finish", True)])]
+    s = torch.tensor([0.4, 0.4, 0.2, 4.6, 0.1, 0.3, 0.5, -0.5])
+    A, info = arco.advantages(trajs, s, True, phase_args(alpha=1.0))
+    stats = arco.credit_stats(trajs, s, A, info)
+    assert stats["mean_s_by_step"] == pytest.approx({"search@1": 0.45, "search@2": 0.25, "finish@3": 0.25,
+                                                     "finish@2": -0.5})
+    # Σ s − R: 0.0, 5.0, 0.0 against 2, 1, 1 searches: r = −0.5 (by hand: deviations (−5/3, 10/3, −5/3) and
+    # (2/3, −1/3, −1/3), covariance −50/9 / 2, sds 2.887 and 0.577)
+    assert stats["corr_excess_searches"] == pytest.approx(-0.5, abs=1e-6)
+    # search_2 holds one step (q1's second search): Eq. 4 gives it advantage 0
+    assert stats["singleton_buckets"] == [{"bucket": "search_2", "action": "search", "A": 0.0}]
+    assert arco.credit_stats(trajs, None, A, {}) == {}

@@ -2,6 +2,7 @@
 warmup (collection → SFT → π_sft/, μ_sft/, metrics.json) end to end on the tiny model."""
 import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -266,3 +267,110 @@ def test_warmup_evaluates_on_its_own_dev_size_and_keeps_the_base_evaluation(tiny
     monkeypatch.setattr(warmup.env, "evaluate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     warmup.run(args)
     assert len(calls) == 1 and (out / "pi_sft" / "config.json").is_file()     # π SFT's one epoch, no base again
+
+
+# --- issue 41: what μ's score head learns to read ---------------------------------------------------------------
+
+def _search(ex, i, left):
+    title = ex.paragraphs[i][0]
+    return env.Step(prompt=[], output=f"Search[{title}]", action="search", argument=title,
+                    observation=env.observation_text(ex.paragraphs[i], 300), valid=True, reason="",
+                    searches_left=left, forced_finish=False, retrieved=i)
+
+
+def _finish(answer, left):
+    return env.Step(prompt=[], output=f"Finish[{answer}]", action="finish", argument=answer, observation=answer,
+                    valid=True, reason="", searches_left=left, forced_finish=False)
+
+
+def test_check_criteria_carry_no_verdict():
+    """--criteria check: a useful and a useless search from the same context get criteria that differ only in the
+    query they quote (never in a verdict word or a hop count), and so do a right and a wrong Finish; the oracle's
+    verdict criteria for the same steps do differ (hop i of N, the paragraphs found)."""
+    ex = env.load_split("synthetic-long", "train", size=1, seed=0)[0]
+    hop1, hop2 = ex.supporting[0], ex.supporting[1]
+    other = next(i for i in range(len(ex.paragraphs)) if i not in ex.supporting)
+    prefix = [_search(ex, hop1, 5)]
+    useful, useless = _search(ex, hop2, 4), _search(ex, other, 4)
+    assert env.step_usefulness({"steps": [vars(s) for s in prefix + [useful]], "gold": ex.answers}, ex.supporting)[1]
+    assert not env.step_usefulness({"steps": [vars(s) for s in prefix + [useless]], "gold": ex.answers},
+                                   ex.supporting)[1]
+    for K in (3, 5):
+        a, b = warmup.check_criteria(prefix, useful, K), warmup.check_criteria(prefix, useless, K)
+        assert len(a) == K and a != b
+        assert [c.replace(useful.argument, "Q") for c in a] == [c.replace(useless.argument, "Q") for c in b]
+        right, wrong = warmup.check_criteria(prefix, _finish(ex.answer, 4), K), \
+            warmup.check_criteria(prefix, _finish("1899", 4), K)
+        assert [c.replace(ex.answer, "A") for c in right] == [c.replace("1899", "A") for c in wrong]
+        for c in a + b + right + wrong:
+            assert "hop" not in c.lower() and "support" not in c.lower()
+            assert not re.search(r"\d+ of \d+", c)
+    # the verdict criteria of the same two searches name the hop only on the useful one
+    plan = warmup.choose_queries([ex], env.Retriever())[0]
+    t_useful = env.Trajectory(example=ex, max_searches=5, steps=prefix + [useful])
+    t_useless = env.Trajectory(example=ex, max_searches=5, steps=prefix + [useless])
+    va = warmup.oracle_rubric(t_useful, warmup.inferred_intents(t_useful, plan), len(plan), 3)[0][1]
+    vb = warmup.oracle_rubric(t_useless, warmup.inferred_intents(t_useless, plan), len(plan), 3)[0][1]
+    assert any("hop 2 of" in c for c in va) and not any("hop" in c for c in vb)
+
+
+def test_check_criteria_items_keep_the_teacher_scores(tmp_path, retriever):
+    """rubric_sft_examples(criteria="check"): the same items, the same scores slot for slot, only the text is the
+    checks'; balanced_finishes repeats the rarer finish class until both count alike."""
+    examples = env.load_split("synthetic-long", "train", size=4, seed=0)
+    warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=3, K=3, progress=False)
+    kept = warmup.filter_records(env.read_jsonl(tmp_path / "records.jsonl"), 3)[0]
+    verdict, check = warmup.rubric_sft_examples(kept), warmup.rubric_sft_examples(kept, "check")
+    assert [(v["action"], v["scores"]) for v in verdict] == [(c["action"], c["scores"]) for c in check]
+    assert all(c["criteria"] != v["criteria"] for v, c in zip(verdict, check))
+    assert any("hop" in " ".join(v["criteria"]) for v in verdict) and not any("hop" in " ".join(c["criteria"])
+                                                                              for c in check)
+    fin = [it for it in check if it["action"].startswith("Finish[")]
+    right = sum(map(warmup.right_finish, fin))
+    assert 0 < right < len(fin)
+    balanced = warmup.balanced_finishes(check)
+    bfin = [it for it in balanced if it["action"].startswith("Finish[")]
+    assert sum(map(warmup.right_finish, bfin)) == len(bfin) - sum(map(warmup.right_finish, bfin)) == max(
+        right, len(fin) - right)
+    assert balanced[:len(check)] == check
+
+
+def test_the_own_rubric_head_fit_reads_what_mu_writes(tiny_dir, tmp_path, retriever, monkeypatch):
+    """--head-fit own: the score head's pooled vectors come from (q, h_t, a_t, r_t) with μ's own greedy r_t, not
+    the teacher's criteria; by hand on the tiny model: the fitted head's error is the one computed here on
+    μ.pooled over μ's own rubrics."""
+    examples = env.load_split("synthetic", "train", size=2, seed=0)
+    warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=2, K=3, progress=False)
+    items = warmup.rubric_sft_examples(warmup.filter_records(env.read_jsonl(tmp_path / "records.jsonl"), 3)[0])[:6]
+    torch.manual_seed(0)
+    mu = rm.RubricModel(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), k=3)
+    contexts, teacher, targets = warmup.rubric_items(mu, items)
+    own = mu.generate_rubrics(contexts, 0.0, 12, 4)
+    assert [r.text for r in own] != [r.text for r in teacher]
+    read = []
+    scoring_ids = mu.scoring_ids
+    monkeypatch.setattr(mu, "scoring_ids", lambda cs, rs: read.append([r.text for r in rs]) or scoring_ids(cs, rs))
+    head = {k: v.clone() for k, v in mu.head.state_dict().items()}
+    before, _ = warmup.fit_score_head(mu, items, steps=3, lr=1e-2, own=True, max_new_tokens=12, gen_batch=4)
+    assert read == [[r.text for r in own]]
+    fitted = {k: v.clone() for k, v in mu.head.state_dict().items()}
+    mu.head.load_state_dict(head)
+    with torch.no_grad():
+        by_hand = float(((mu.head(mu.pooled(contexts, own)).float() - targets) ** 2).mean())
+    assert before == pytest.approx(by_hand, rel=1e-4)
+    read.clear()
+    warmup.fit_score_head(mu, items, steps=3, lr=1e-2)                       # the teacher's text (Eq. 7's)
+    assert read == [[r.text for r in teacher]]
+    assert any(not torch.equal(fitted[k], head[k]) for k in head)
+
+
+def test_each_mu_variant_has_a_folder_of_its_own():
+    base = {"rubric": "adaptive", "k": 3, "model": "embedded", "mu_model": "embedded", "sft_head_steps": 500}
+    assert warmup.mu_dir_name(base) == "mu_sft" == warmup.mu_dir_name({})            # an old run's args.json
+    assert warmup.mu_dir_name({**base, "mu_data": "policy", "sft_questions_mu": 40}) == "mu_sft-policy-q40"
+    assert warmup.mu_dir_name({**base, "mu_data": "policy", "sft_questions_mu": 0, "policy_samples": 4,
+                               "criteria": "check", "head_fit": "own", "balance_finishes": True}) == \
+        "mu_sft-policy-qall-n4-check-ownhead-bal"
+    assert warmup.mu_dir_name({**base, "head_fit": "own", "sft_head_steps": 0}) == "mu_sft"   # no fit, no variant
+    assert warmup.mu_dir_name({**base, "rubric": "none", "mu_data": "policy", "sft_questions_mu": 8}) == \
+        "mu_sft-none-policy-q8"
