@@ -592,7 +592,7 @@ def training_questions(args: Args, warmup_dir: Path) -> list:
 
 
 def uses_mu(args: Args) -> bool:
-    """ARCO trains μ; outcome RL and the oracle-credit arm have none."""
+    """ARCO trains μ; outcome RL and the ground-truth arms (--credit projection | causal) have none."""
     return args.reward == "arco" and args.credit == "mu"
 
 

@@ -824,7 +824,7 @@ def evaluate(examples: Sequence[Example], act: Callable[[list[list[dict]]], list
 
 def step_usefulness(trajectory, supporting: Sequence[int] | None = None) -> list[bool]:
     """Ground-truth credit labels, one per step: True = useful, False = useless (the AUC of μ's
-    s_t for useful vs useless steps where the hops are known; the oracle-credit arm of arco.py).
+    s_t for useful vs useless steps where the hops are known; the ground-truth arms of arco.py, ground_truth_scores).
 
     Useful: a valid Search whose retrieved paragraph is supporting and was not retrieved by an
     earlier step, or a valid Finish whose answer is EM-correct. Useless: an invalid step, a

@@ -1630,7 +1630,7 @@ def policy_dev_rollouts(args, out_dir: Path, retriever) -> list[env.Trajectory]:
 
 def policy_dev_auc(mu, trajs: Sequence[env.Trajectory], gen_batch: int, max_new_tokens: int = 128) -> dict:
     """μ's step credit on π_sft's own rollouts (policy_dev_rollouts), before any RL: the AUC of s_t for useful
-    vs useless steps (env.step_usefulness) by step type (diagnostics.py --study shows each μ's)."""
+    vs useless steps (env.step_usefulness) by step type (study.py ladder shows each μ's)."""
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
     mu.eval()
     with torch.no_grad():
