@@ -226,8 +226,9 @@ def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
 
 def test_mu_on_pi_own_rollouts_end_to_end_on_tiny_model(tiny_dir, tmp_path, retriever, monkeypatch):
     """--mu-data policy (issue 33): after π SFT, π_sft plays the μ SFT questions, the oracle annotates its steps
-    (policy_rollouts/records.jsonl), μ is fine-tuned on them into its own folder (mu_sft-policy); then μ's AUC
-    by step type on π_sft's seeded rollouts of held-out dev questions (the same steps for every μ)."""
+    (policy_rollouts/records.jsonl), μ is fine-tuned on them into its own folder (mu_sft-policy-q2: the μ SFT
+    questions are in its name); then μ's AUC by step type on π_sft's seeded rollouts of held-out dev questions
+    (the same steps for every μ)."""
     out = tmp_path / "warmup"
     args = warmup.Args(dataset="synthetic", warmup_size=3, warmup_samples=2, eval_size=2, out_dir=str(out),
                        model=str(tiny_dir), device="cpu", sft_epochs_pi=1, sft_epochs_mu=1, sft_batch_pi=4,
@@ -237,9 +238,9 @@ def test_mu_on_pi_own_rollouts_end_to_end_on_tiny_model(tiny_dir, tmp_path, retr
     records = env.read_jsonl(out / "policy_rollouts" / "records.jsonl")
     assert len(records) == 4 and {r["teacher"] for r in records} == {"oracle-on-policy"}     # 2 questions × 2
     assert all(len(st["criteria"]) == 3 for r in records for st in r["steps"])
-    assert (out / "mu_sft-policy" / "config.json").is_file() and not (out / "mu_sft").exists()
+    assert (out / "mu_sft-policy-q2" / "config.json").is_file() and not (out / "mu_sft").exists()
     monkeypatch.setattr(warmup, "POLICY_PROBE_QUESTIONS", 4)
-    mu = rm.RubricModel.load(out / "mu_sft-policy", device="cpu")
+    mu = rm.RubricModel.load(out / "mu_sft-policy-q2", device="cpu")
     trajs = warmup.policy_dev_rollouts(args, out, retriever)
     first = warmup.policy_dev_auc(mu, trajs, 4)
     assert first["questions"] == 4 and first["steps"] >= 4 and set(first) >= {"search", "finish", "all"}
