@@ -35,8 +35,8 @@ The equations are small named functions, tested against hand-worked numbers that
     decomposition_loss    Eq. 5      (1/|B|) Σ_τ w_τ (Σ_t s_t − R(τ))²
     rubric_loss           Eq. 5      decomposition_loss + β Σ_t KL_t / (steps or |B|)
 
-Read top to bottom: the knobs (Args; those shared with warmup.py, and the PRESETS, are in warmup.py), the
-schedule, the equations, one iteration, the run (Algorithm 1's outer loop); "Plumbing" after it is bookkeeping
+Read top to bottom: the knobs (Args, each with its presets' values; those shared with warmup.py in warmup.Settings),
+the schedule, the equations, one iteration, the run (Algorithm 1's outer loop); "Plumbing" after it is bookkeeping
 (checks, warmup reuse, the one call each to the engines and torchrun's ranks, logs, checkpoints, --resume,
 Ctrl-C, reports). `--engine plain` computes each pass one ordinary forward per sequence (the code to read).
 """
@@ -66,7 +66,7 @@ from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, RubricModel, ad
                           check_model_available, contexts_from_trajectory, damaged, load_backbone_checkpoint,
                           merge_lora, memory_estimate, policy_act, policy_sequences, reduce_tokens, save_backbone,
                           trainable_parameters, training_passes, write_atomically, write_manifest)
-from warmup import PRESETS, dev_rank, fill_from_preset, mu_dir_name
+from warmup import dev_rank, fill_from_preset, from_preset, mu_dir_name, preset_table
 
 
 @dataclass
@@ -102,54 +102,51 @@ class Args(warmup.Settings):
         "help": "π's random stream when sampling rollouts: batch (one draw over the generation batch, as "
                 "transformers' generate) or trajectory (one seeded stream per trajectory: the same rollouts "
                 "whatever the rank layout; a torchrun run needs it)", "choices": ["batch", "trajectory"]})
-    # The fields below default to the preset's value (None = take it from the preset). The README's table
-    # "paper | release | this implementation" says where each value comes from.
-    train_size: int | None = field(default=None, metadata={"min": 1, "help": "training questions (paper 2,000)"})
-    epochs: int | None = field(default=None, metadata={"min": 1, "help": "RL epochs E (release 8)"})
-    sparse_epochs: int | None = field(default=None, metadata={"help": "epochs trained on R(τ) alone before the dense "
-                                                                       "ones (release 3: dense_start_epoch 3, 0-based; "
-                                                                       "Alg. 1's η = this + 1)"})
-    batch_size: int | None = field(default=None, metadata={"min": 1, "help": "trajectories per update (release 64): sparse "
-                                                                    "epochs take batch_size / G questions × G samples, "
-                                                                    "dense epochs batch_size questions × 1"})
-    dense_samples: int | None = field(default=None, metadata={"min": 1, "help": "samples per question in dense epochs "
-                                                                         "(release 1; G: as many updates per epoch as a "
-                                                                         "sparse one, for matched comparisons)"})
-    group_size: int | None = field(default=None, metadata={"min": 1, "help": "G: samples per question in sparse epochs (release 4; "
-                                                                    "Alg. 1's text: 1)"})
-    sparse_baseline: str | None = field(default=None, metadata={"help": "baseline of R(τ) in sparse epochs: group (mean "
-                                                                         "of the question's G samples, release) or batch "
-                                                                         "(mean over the batch, Alg. 1 line 31)",
-                                                                 "choices": ["group", "batch"]})
-    bucket_fallback: bool | None = field(default=None, metadata={"help": "a bucket with one step takes the batch's mean "
-                                                                          "G as its baseline (release) instead of its own "
-                                                                          "G (Eq. 4: advantage 0)"})
-    class_balance: bool | None = field(default=None, metadata={"help": "weight Eq. 5's decomposition term so that "
-                                                                        "successes and failures weigh alike (release; "
-                                                                        "not in the paper)"})
-    rubric_temperature: float | None = field(default=None, metadata={"help": "μ's temperature for r_t: 0 = greedy "
-                                                                             "(release); the paper writes r_t ~ p_θ"})
-    pi_lr_sparse: float | None = field(default=None, metadata={"help": "π LoRA learning rate, sparse epochs (1e-5)"})
-    pi_lr_dense: float | None = field(default=None, metadata={"help": "π LoRA learning rate, dense epochs (3e-6)"})
-    mu_lr: float | None = field(default=None, metadata={"help": "μ LoRA learning rate (1e-5)"})
-    head_lr: float | None = field(default=None, metadata={"help": "μ score-head learning rate (5e-4)"})
-    kl_pi_sparse: float | None = field(default=None, metadata={"help": "λ_π in sparse epochs (Eq. 3; release 0, Alg. 1 "
-                                                                        "line 35 has the KL in every epoch)"})
-    kl_pi_dense: float | None = field(default=None, metadata={"help": "λ_π in dense epochs (Eq. 3; release 0.05)"})
-    kl_mu: float | None = field(default=None, metadata={"help": "β, rubric-token KL(μ‖μ_ref) weight (Eq. 5; 0.05)"})
-    alpha: float | None = field(default=None, metadata={"help": "α, dense reward scale (Eq. 3; 0.5)"})
-    lora_dropout: float | None = field(default=None, metadata={"below": 1, "help": "dropout of π's and μ's RL LoRA adapters (release "
-                                                                        "0.05); 0 makes a torchrun run's updates those "
-                                                                        "of the single-process run"})
+    # from_preset(paper=..., cpu=...): the --preset's value unless given (why each value: README's flag table)
+    train_size: int | None = from_preset(paper=2000, cpu=8, min=1, help="training questions (paper 2,000)")
+    epochs: int | None = from_preset(paper=8, cpu=2, min=1, help="RL epochs E (release 8)")
+    sparse_epochs: int | None = from_preset(paper=3, cpu=1, help="epochs trained on R(τ) alone before the dense ones "
+                                            "(release 3: dense_start_epoch 3, 0-based; Alg. 1's η = this + 1)")
+    batch_size: int | None = from_preset(paper=64, cpu=16, min=1,
+                                         help="trajectories per update (release 64): sparse epochs take batch_size / "
+                                              "G questions × G samples, dense epochs batch_size questions × 1")
+    dense_samples: int | None = from_preset(paper=1, cpu=1, min=1,
+                                            help="samples per question in dense epochs (release 1; G: as many updates "
+                                                 "per epoch as a sparse one, for matched comparisons)")
+    group_size: int | None = from_preset(paper=4, cpu=4, min=1,
+                                         help="G: samples per question in sparse epochs (release 4; Alg. 1's text: 1)")
+    sparse_baseline: str | None = from_preset(paper="group", cpu="group", choices=["group", "batch"],
+                                              help="baseline of R(τ) in sparse epochs: group (mean of the question's "
+                                                   "G samples, release) or batch (mean over the batch, Alg. 1 line 31)")
+    bucket_fallback: bool | None = from_preset(paper=True, cpu=True,
+                                               help="a bucket with one step takes the batch's mean G as its baseline "
+                                                    "(release) instead of its own G (Eq. 4: advantage 0)")
+    class_balance: bool | None = from_preset(paper=True, cpu=True, help="weight Eq. 5's decomposition term so that "
+                                             "successes and failures weigh alike (release; not in the paper)")
+    rubric_temperature: float | None = from_preset(paper=0.0, cpu=0.0, help="μ's temperature for r_t: 0 = greedy "
+                                                   "(release); the paper writes r_t ~ p_θ")
+    pi_lr_sparse: float | None = from_preset(paper=1e-5, cpu=2e-4, help="π LoRA learning rate, sparse epochs (1e-5)")
+    pi_lr_dense: float | None = from_preset(paper=3e-6, cpu=1e-4, help="π LoRA learning rate, dense epochs (3e-6)")
+    mu_lr: float | None = from_preset(paper=1e-5, cpu=1e-4, help="μ LoRA learning rate (1e-5)")
+    head_lr: float | None = from_preset(paper=5e-4, cpu=1e-3, help="μ score-head learning rate (5e-4)")
+    kl_pi_sparse: float | None = from_preset(paper=0.0, cpu=0.0, help="λ_π in sparse epochs (Eq. 3; release 0, Alg. 1 "
+                                             "line 35 has the KL in every epoch)")
+    kl_pi_dense: float | None = from_preset(paper=0.05, cpu=0.05, help="λ_π in dense epochs (Eq. 3; release 0.05)")
+    kl_mu: float | None = from_preset(paper=0.05, cpu=0.05, help="β, rubric-token KL(μ‖μ_ref) weight (Eq. 5; 0.05)")
+    alpha: float | None = from_preset(paper=0.5, cpu=0.5, help="α, dense reward scale (Eq. 3; 0.5)")
+    lora_dropout: float | None = from_preset(paper=0.05, cpu=0.05, below=1,
+                                             help="dropout of π's and μ's RL LoRA adapters (release 0.05); 0 makes a "
+                                                  "torchrun run's updates those of the single-process run")
     max_searches: int | None = field(default=None, metadata={"min": 1, "help": "search budget (default: 3, MuSiQue 6)"})
-    pass_tokens: int | None = field(default=None, metadata={"min": 1, "help": "most tokens in one training pass (memory): an update "
-                                                                    "is cut into passes; a trajectory longer than this "
-                                                                    "is recomputed in μ's backward (checkpointing)"})
-    warmup_questions: str | None = field(default=None, metadata={
-        "help": "within: RL's training questions and the warmup's are the first of one seeded order, so the fewer "
-                "lie among the others (release: its 1,000 warmup questions among its 2,000); before: RL's training "
-                "questions leave out every question of the warmup's records (π was not fine-tuned on them)",
-        "choices": ["within", "before"]})
+    pass_tokens: int | None = from_preset(paper=8192, cpu=1024, min=1, help="most tokens in one training pass "
+                                          "(memory): an update is cut into passes; a trajectory longer than this is "
+                                          "recomputed in μ's backward (checkpointing)")
+    warmup_questions: str | None = from_preset(paper="within", cpu="within", choices=["within", "before"],
+                                               help="within: RL's training questions and the warmup's are the first "
+                                                    "of one seeded order, so the fewer lie among the others (release: "
+                                                    "its 1,000 warmup questions among its 2,000); before: RL's "
+                                                    "training questions leave out every question of the warmup's "
+                                                    "records (π was not fine-tuned on them)")
 
 
 # --- The schedule (Alg. 1, lines 3–5) ---------------------------------------------------
@@ -501,6 +498,8 @@ def select_checkpoint(history: list[dict], sparse_epochs: int) -> dict:
 # ----------------------------------------------------------------------------------------
 # Plumbing: the warmup and the models, evaluation logs, checkpoints, --resume, Ctrl-C, reports
 # ----------------------------------------------------------------------------------------
+
+PRESETS = preset_table(Args)        # {preset: {setting: value}}, read from the declarations of Args (and Settings)
 
 def resolve_args(args: Args) -> Args:
     """Fill every preset-driven field the command line left unset, then check the combination."""

@@ -56,12 +56,37 @@ from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, ModelSettings, 
                           trainable_parameters, training_passes, write_atomically)
 
 
+PRESET_NAMES = ("cpu", "paper")
+
+
+def from_preset(paper, cpu, **metadata) -> dataclasses.Field:
+    """A setting that takes its --preset's value unless the command line gives one, declared with both values
+    beside it: `paper`, the authors' release recipe for HotpotQA/Qwen (configs/hotpotqa/*.yaml and
+    src/training/rl_trainer.py of the public repository zihangtian/ARCO; the README's difference table lists
+    every value that is not the paper's text), and `cpu`, the same semantics at a laptop's size. The field's
+    default is None (what the command line left unset); fill_from_preset puts the preset's value there."""
+    return field(default=None, metadata={**metadata, "presets": {"paper": paper, "cpu": cpu}})
+
+
+def fill_from_preset(args) -> None:
+    """Every preset-driven field of `args` (declared with from_preset) left None takes its --preset's value."""
+    for f in dataclasses.fields(args):
+        if "presets" in f.metadata and getattr(args, f.name) is None:
+            setattr(args, f.name, f.metadata["presets"][args.preset])
+
+
+def preset_table(cls: type) -> dict[str, dict]:
+    """{preset: {setting: value}} of a settings class, read from its fields' declarations (never typed twice)."""
+    fields = [f for f in dataclasses.fields(cls) if "presets" in f.metadata]
+    return {name: {f.name: f.metadata["presets"][name] for f in fields} for name in PRESET_NAMES}
+
+
 @dataclass
 class Settings(ModelSettings):
     """The knobs warmup.py and arco.py share, declared once (arco.Args and Args below extend them). Those
-    defaulting to None take the --preset's value (PRESETS); the README's table "paper | release | this
-    implementation" says where each value comes from."""
-    rollout_temperature: float | None = field(default=None, metadata={"help": "π's sampling temperature (release 0.7)"})
+    declared with `from_preset(paper=..., cpu=...)` take the --preset's value when the command line leaves them
+    unset; the README's table "paper | release | this implementation" says where each value comes from."""
+    rollout_temperature: float | None = from_preset(paper=0.7, cpu=0.7, help="π's sampling temperature (release 0.7)")
     sft_eval_size: int = field(default=0, metadata={
         "help": "dev questions of the warmup's base and π SFT evaluations (the choice of π SFT's epoch); 0 = "
                 "--eval-size. A smaller one saves the warmup's time; arco.py then evaluates epoch 0 itself"})
@@ -75,47 +100,52 @@ class Settings(ModelSettings):
                                                    "choices": list(ENGINES)})
     preset: str = field(default="cpu", metadata={"help": "cpu (embedded SmolLM2, minutes on a laptop) or paper "
                                                           "(Qwen3-4B and the authors' release recipe, one GPU)",
-                                                  "choices": ["cpu", "paper"]})
-    model: str | None = field(default=None, metadata={"help": "π's backbone: 'embedded' or an HF id/folder"})
+                                                  "choices": list(PRESET_NAMES)})
+    model: str | None = from_preset(paper="Qwen/Qwen3-4B-Instruct-2507", cpu="embedded",
+                                    help="π's backbone: 'embedded' or an HF id/folder")
     mu_model: str | None = field(default=None, metadata={"help": "μ's backbone (RQ5); default: the same as --model"})
     data_dir: str = field(default="", metadata={"path": "dir", "help": "data folder (else $ARCO_DATA_DIR, else a download)"})
     seed: int = field(default=0, metadata={"help": "seed of data sampling, shuffling and sampling"})
-    retriever: str | None = field(default=None, metadata={"help": "encoder of the top-1 retriever: '' = the embedded "
-                                                                   "all-MiniLM-L6-v2, or an HF id/folder (paper: SimCSE)"})
-    retriever_pooling: str | None = field(default=None, metadata={"help": "mean (MiniLM) or cls (SimCSE)",
-                                                                  "choices": ["mean", "cls"]})
-    eval_size: int | None = field(default=None, metadata={"min": 1, "help": "dev questions evaluated (paper 500)"})
-    obs_chars: int | None = field(default=None, metadata={"help": "observation cut, characters (0 = the whole paragraph)"})
-    max_new_tokens_pi: int | None = field(default=None, metadata={"min": 1, "help": "π's max new tokens per action (64)"})
-    gen_batch: int | None = field(default=None, metadata={"min": 1, "help": "prompts per generation batch (π and μ)"})
-    micro_batch: int | None = field(default=None, metadata={"min": 1, "help": "sequences per SFT forward pass (memory; gradients "
-                                                                      "are accumulated)"})
-    token_reduction: str | None = field(default=None, metadata={"help": "mean (release) or sum (the paper's Σ_i) over "
-                                                                         "the tokens of a step in the KL terms of Eq. 3 "
-                                                                         "and Eq. 5 and in Eq. 7 (see README)",
-                                                                 "choices": ["mean", "sum"]})
-    weight_decay: float | None = field(default=None, metadata={"help": "AdamW weight decay of every optimizer, RL and "
-                                                                        "SFT (release 0.01)"})
-    mu_examples: int | None = field(default=None, metadata={"max": 2, "help": "worked examples in μ's rubric prompt, 0-2 "
-                                                                      "(~200 tokens per step each)"})
-    warmup_size: int | None = field(default=None, metadata={"min": 1, "help": "warmup questions (release 1,000)"})
-    warmup_samples: int | None = field(default=None, metadata={"min": 1, "help": "warmup: teacher trajectories per question "
-                                                                        "(release 3)"})
-    warmup_probe: int | None = field(default=None, metadata={"help": "μ SFT items on which the warmup shows Eq. 7's "
-                                                                       "terms before/after"})
-    sft_epochs_pi: int | None = field(default=None, metadata={"min": 1, "help": "warmup π SFT epochs (release 6; the best dev-EM "
-                                                                      "epoch is kept)"})
-    sft_epochs_mu: int | None = field(default=None, metadata={"min": 1, "help": "warmup μ SFT epochs (release 10; the last is kept)"})
-    sft_lr_pi: float | None = field(default=None, metadata={"help": "warmup π SFT learning rate (release 1e-5)"})
-    sft_lr_mu: float | None = field(default=None, metadata={"help": "warmup μ SFT learning rate (release 5e-5)"})
-    sft_head_lr: float | None = field(default=None, metadata={"help": "warmup μ score-head learning rate (release 1e-3)"})
-    sft_head_steps: int | None = field(default=None, metadata={
-        "help": "warmup: Adam steps fitting μ's score head alone after μ SFT (Eq. 7's score term; release 0)"})
-    sft_batch_pi: int | None = field(default=None, metadata={"min": 1, "help": "warmup π SFT examples per optimizer step (release 64)"})
-    sft_batch_mu: int | None = field(default=None, metadata={"min": 1, "help": "warmup μ SFT steps per optimizer step (release 32)"})
-    sft_questions_mu: int | None = field(default=None, metadata={"help": "warmup μ SFT on the trajectories of the first "
-                                                                          "this many warmup questions (0 = all; release)"})
-    max_new_tokens_mu: int | None = field(default=None, metadata={"min": 1, "help": "μ's max new tokens per rubric (128)"})
+    retriever: str | None = from_preset(paper="princeton-nlp/unsup-simcse-roberta-base", cpu="",
+                                        help="encoder of the top-1 retriever: '' = the embedded all-MiniLM-L6-v2, or "
+                                             "an HF id/folder (paper: SimCSE)")
+    retriever_pooling: str | None = from_preset(paper="cls", cpu="mean", choices=["mean", "cls"],
+                                                help="mean (MiniLM) or cls (SimCSE)")
+    eval_size: int | None = from_preset(paper=500, cpu=100, min=1, help="dev questions evaluated (paper 500)")
+    obs_chars: int | None = from_preset(paper=0, cpu=300, help="observation cut, characters (0 = the whole paragraph)")
+    max_new_tokens_pi: int | None = from_preset(paper=64, cpu=32, min=1, help="π's max new tokens per action (64)")
+    gen_batch: int | None = from_preset(paper=64, cpu=32, min=1, help="prompts per generation batch (π and μ)")
+    micro_batch: int | None = from_preset(paper=16, cpu=2, min=1,
+                                          help="sequences per SFT forward pass (memory; gradients are accumulated)")
+    token_reduction: str | None = from_preset(paper="mean", cpu="mean", choices=["mean", "sum"],
+                                              help="mean (release) or sum (the paper's Σ_i) over the tokens of a step "
+                                                   "in the KL terms of Eq. 3 and Eq. 5 and in Eq. 7 (see README)")
+    weight_decay: float | None = from_preset(paper=0.01, cpu=0.01,
+                                             help="AdamW weight decay of every optimizer, RL and SFT (release 0.01)")
+    mu_examples: int | None = from_preset(paper=0, cpu=0, max=2,
+                                          help="worked examples in μ's rubric prompt, 0-2 (~200 tokens per step each)")
+    warmup_size: int | None = from_preset(paper=1000, cpu=150, min=1, help="warmup questions (release 1,000)")
+    warmup_samples: int | None = from_preset(paper=3, cpu=2, min=1,
+                                             help="warmup: teacher trajectories per question (release 3)")
+    warmup_probe: int | None = from_preset(paper=32, cpu=8,
+                                           help="μ SFT items on which the warmup shows Eq. 7's terms before/after")
+    sft_epochs_pi: int | None = from_preset(paper=6, cpu=2, min=1,
+                                            help="warmup π SFT epochs (release 6; the best dev-EM epoch is kept)")
+    sft_epochs_mu: int | None = from_preset(paper=10, cpu=2, min=1,
+                                            help="warmup μ SFT epochs (release 10; the last is kept)")
+    sft_lr_pi: float | None = from_preset(paper=1e-5, cpu=5e-4, help="warmup π SFT learning rate (release 1e-5)")
+    sft_lr_mu: float | None = from_preset(paper=5e-5, cpu=3e-4, help="warmup μ SFT learning rate (release 5e-5)")
+    sft_head_lr: float | None = from_preset(paper=1e-3, cpu=1e-3,
+                                            help="warmup μ score-head learning rate (release 1e-3)")
+    sft_head_steps: int | None = from_preset(paper=0, cpu=500, help="warmup: Adam steps fitting μ's score head alone "
+                                             "after μ SFT (Eq. 7's score term; release 0)")
+    sft_batch_pi: int | None = from_preset(paper=64, cpu=8, min=1,
+                                           help="warmup π SFT examples per optimizer step (release 64)")
+    sft_batch_mu: int | None = from_preset(paper=32, cpu=8, min=1,
+                                           help="warmup μ SFT steps per optimizer step (release 32)")
+    sft_questions_mu: int | None = from_preset(paper=0, cpu=8, help="warmup μ SFT on the trajectories of the first "
+                                               "this many warmup questions (0 = all; release)")
+    max_new_tokens_mu: int | None = from_preset(paper=128, cpu=96, min=1, help="μ's max new tokens per rubric (128)")
     # What μ's SFT learns from (issue 41); each non-default value gets a μ folder of its own (mu_dir_name).
     criteria: str = field(default="verdict", metadata={
         "help": "the criteria text of μ SFT: verdict (the oracle's: it names what happened, e.g. 'hop 2 of 3', the "
@@ -129,37 +159,6 @@ class Settings(ModelSettings):
         "help": "μ SFT and the head fit: repeat the rarer of right and wrong Finish steps until both weigh alike"})
     policy_samples: int | None = field(default=None, metadata={"min": 1,
         "help": "--mu-data policy/both: π_sft's rollouts per μ SFT question (default: --warmup-samples)"})
-
-
-# Presets: plain dicts, for both scripts (arco.py's knobs too). `paper` is the authors' release recipe for HotpotQA/Qwen (configs/hotpotqa/*.yaml and
-# src/training/rl_trainer.py of the public repository zihangtian/ARCO; the README's difference table lists every
-# value that is not the paper's text). `cpu` takes the same semantics at a laptop's size.
-PRESETS = {
-    "paper": dict(model="Qwen/Qwen3-4B-Instruct-2507", retriever="princeton-nlp/unsup-simcse-roberta-base",
-                  retriever_pooling="cls", train_size=2000, eval_size=500, epochs=8, sparse_epochs=3, batch_size=64,
-                  group_size=4, dense_samples=1, sparse_baseline="group", bucket_fallback=True, class_balance=True,
-                  token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0, pi_lr_sparse=1e-5,
-                  pi_lr_dense=3e-6, mu_lr=1e-5, head_lr=5e-4, kl_pi_sparse=0.0, kl_pi_dense=0.05, kl_mu=0.05,
-                  alpha=0.5, weight_decay=0.01, lora_dropout=0.05, max_new_tokens_pi=64, max_new_tokens_mu=128, obs_chars=0,
-                  micro_batch=16, pass_tokens=8192, gen_batch=64, mu_examples=0, warmup_size=1000, warmup_questions="within", warmup_samples=3, warmup_probe=32,
-                  sft_epochs_pi=6, sft_epochs_mu=10, sft_lr_pi=1e-5, sft_lr_mu=5e-5, sft_head_lr=1e-3,
-                  sft_head_steps=0, sft_batch_pi=64, sft_batch_mu=32, sft_questions_mu=0),
-    "cpu": dict(model="embedded", retriever="", retriever_pooling="mean", train_size=8, eval_size=100, epochs=2,
-                sparse_epochs=1, batch_size=16, group_size=4, dense_samples=1, sparse_baseline="group", bucket_fallback=True,
-                class_balance=True, token_reduction="mean", rollout_temperature=0.7, rubric_temperature=0.0,
-                pi_lr_sparse=2e-4, pi_lr_dense=1e-4, mu_lr=1e-4, head_lr=1e-3, kl_pi_sparse=0.0, kl_pi_dense=0.05,
-                kl_mu=0.05, alpha=0.5, weight_decay=0.01, lora_dropout=0.05, max_new_tokens_pi=32, max_new_tokens_mu=96, obs_chars=300,
-                micro_batch=2, pass_tokens=1024, gen_batch=32, mu_examples=0, warmup_size=150, warmup_questions="within",
-                warmup_samples=2, warmup_probe=8, sft_epochs_pi=2, sft_epochs_mu=2, sft_lr_pi=5e-4, sft_lr_mu=3e-4,
-                sft_head_lr=1e-3, sft_head_steps=500, sft_batch_pi=8, sft_batch_mu=8, sft_questions_mu=8),
-}
-
-
-def fill_from_preset(args) -> None:
-    """Every field of `args` left None takes its --preset's value."""
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key, "absent") is None:
-            setattr(args, key, value)
 
 
 @dataclass
@@ -1778,10 +1777,10 @@ def run(args: Args) -> Path:
 
 
 def run_from_arco(a, out_dir: Path) -> Path:
-    """The offline oracle warmup with the settings of an arco.py run (its preset and flags): every
-    setting the two scripts share has the same name in both, so it is copied by name."""
-    shared = {f.name: getattr(a, f.name) for f in dataclasses.fields(Args) if hasattr(a, f.name)}
-    return run(Args(**{**shared, "out_dir": str(out_dir), "train_mu": a.reward == "arco" and a.credit == "mu"}))
+    """The offline oracle warmup with the settings of an arco.py run (its preset and flags): the settings the
+    two scripts share (Settings, which arco.Args extends) are copied by name, and the dataset."""
+    shared = {f.name: getattr(a, f.name) for f in dataclasses.fields(Settings)}
+    return run(Args(**shared, dataset=a.dataset, out_dir=str(out_dir), train_mu=a.reward == "arco" and a.credit == "mu"))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,6 +1,7 @@
 """The scripts import one way: each only the ones below it (evaluate ← env ← rubric_model ← warmup ← arco
 ← diagnostics / study), at the top of the file; checked on the source with `ast`."""
 import ast
+import dataclasses
 from pathlib import Path
 
 ORDER = ["evaluate", "env", "rubric_model", "warmup", "arco", "diagnostics", "study"]
@@ -62,3 +63,32 @@ def test_the_algorithm_reads_in_500_lines_and_each_update_in_40():
     assert functions["select_checkpoint"].end_lineno < plumbing and plumbing - 1 <= 500
     for name in ("policy_update", "rubric_update"):
         assert functions[name].end_lineno - functions[name].lineno + 1 <= 40, name
+
+
+# --------------------------------------------------------------------------- settings: declared once, with their presets
+def tree(module: str) -> ast.Module:
+    return ast.parse((ROOT / f"{module}.py").read_text(encoding="utf-8"))
+
+
+def test_every_preset_driven_setting_is_declared_once_with_both_presets_values():
+    """from_preset(paper=..., cpu=...) at the declaration of every preset-driven field (arco.Args, warmup.Settings),
+    no field declared again down a settings hierarchy, and arco.PRESETS read from the declarations."""
+    import arco
+    import warmup
+    for module in ("warmup", "arco"):
+        for node in ast.walk(tree(module)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "from_preset":
+                assert {k.arg for k in node.keywords} >= {"paper", "cpu", "help"}, f"{module}.py:{node.lineno}"
+    for cls in (warmup.Settings, warmup.Args, arco.Args):
+        preset_driven = [f for f in dataclasses.fields(cls) if "presets" in f.metadata]
+        assert all(f.default is None and set(f.metadata["presets"]) == {"paper", "cpu"} for f in preset_driven)
+        for base in cls.__mro__[1:]:
+            if dataclasses.is_dataclass(base):
+                assert not set(cls.__annotations__) & {f.name for f in dataclasses.fields(base)}, (cls, base)
+    assert arco.PRESETS == warmup.preset_table(arco.Args) and len(arco.PRESETS["paper"]) > 40
+    assert not any(isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict)
+                   and any(getattr(t, "id", "") == "PRESETS" for t in n.targets)
+                   for module in ORDER for n in ast.walk(tree(module)))     # no table typed a second time
+    for name in warmup.PRESET_NAMES:                                      # every one filled from its declaration
+        filled = arco.resolve_args(arco.Args(preset=name))
+        assert all(getattr(filled, f) == v for f, v in arco.PRESETS[name].items() if f not in ("warmup_size",))
