@@ -4,7 +4,8 @@ RQ4 §4.5, and μ's step credit against ground truth). Nothing in the project im
 Usage:
 
   python diagnostics.py --run runs/synthetic/arco --run runs/synthetic/outcome [--diagnose]
-  python diagnostics.py --benchmark --dataset hotpotqa      # arco.py's flags: one iteration timed by phase
+
+(The loop benchmark, one iteration timed by phase, is `python benchmark.py loop`.)
 
 compares finished runs of arco.py (one dataset) side by side, and with --diagnose also
 examines the rubric model μ of the FIRST run. One command makes every table and figure:
@@ -46,13 +47,11 @@ examines the rubric model μ of the FIRST run. One command makes every table and
 import functools
 import html
 import json
-import math
 import random
 import re
 import string
 import sys
 import threading
-import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -1351,174 +1350,6 @@ def diagnose(runs: Sequence[Run], args: "Args") -> dict[str, Path]:
                                  "bucket_scores.png", "credit_auc.png", "trajectories.html")}
 
 
-# ----------------------------------------------------------------------------------------
-# The loop benchmark (--benchmark, formerly arco.py's): one dense iteration timed phase by phase
-# ----------------------------------------------------------------------------------------
-
-def save_batch(path: Path, trajs) -> None:
-    """The benchmark's fixed batch: each trajectory as a trace row plus the sampled token ids."""
-    rows = []
-    for t in trajs:
-        row = t.to_dict()
-        row["max_searches"] = t.max_searches
-        for st, saved in zip(t.steps, row["steps"]):
-            saved["output_ids"] = st.output_ids
-        rows.append(row)
-    env.write_jsonl(path, rows)
-
-
-def load_batch(path: Path, examples) -> list:
-    """save_batch's trajectories again, with the prompts π saw (rebuilt exactly as env.rollout makes them)."""
-    by_id = {ex.id: ex for ex in examples}
-    trajs = []
-    for row in env.read_jsonl(path):
-        t = env.Trajectory(by_id[row["id"]], row["max_searches"], answer=row["answer"], reward=row["reward"],
-                           finished=row["finished"])
-        for s in row["steps"]:
-            prompt = env.policy_messages(t.example.question, env.format_history(t.steps), s["searches_left"],
-                                         s["forced_finish"])
-            t.steps.append(env.Step(prompt, s["output"], s["action"], s["argument"], s["observation"], s["valid"],
-                                    s["reason"], s["searches_left"], s["forced_finish"], s["retrieved"],
-                                    s["output_ids"]))
-        trajs.append(t)
-    return trajs
-
-
-def raw_rates(bb, n_seqs: int, length: int, response: int) -> dict:
-    """Tokens/s of the kinds of pass training makes, on one uniform batch (n_seqs random sequences of
-    `length` tokens, no padding): a forward without the LM head (a score pass), a forward with the
-    LM head on the last `response` positions (a reference pass), and that forward + backward (a
-    training pass). What a phase would reach with no padding, no small batches and no overhead."""
-    gen = torch.Generator().manual_seed(0)
-    seqs = torch.randint(100, bb.tokenizer.vocab_size - 100, (n_seqs, length), generator=gen).tolist()
-    prompts, responses = [s[:length - response] for s in seqs], [s[length - response:] for s in seqs]
-    ids, mask = rubric_model.pad_right(seqs, bb.tokenizer.pad_token_id, bb.device)
-    params = rubric_model.trainable_parameters(bb.model)
-
-    def hidden():
-        with torch.no_grad():
-            rubric_model.last_hidden_states(bb, ids, mask)
-
-    def forward():
-        with torch.no_grad():
-            rubric_model.sequence_logprobs(bb, prompts, responses)
-
-    def train():
-        (-rubric_model.sequence_logprobs(bb, prompts, responses).sums().sum()).backward()
-        for p in params:
-            p.grad = None
-    seconds = rubric_model.best_times({"hidden": hidden, "forward": forward, "train": train}, repeats=2)
-    return {name: n_seqs * length / sec for name, sec in seconds.items()}
-
-
-def raw_generation_seconds(bb, n_prompts: int, prompt_len: int, new_tokens: int) -> float:
-    """Seconds of one greedy generate call on n_prompts uniform random prompts that writes exactly
-    `new_tokens` tokens each (no end-of-turn stop, no padding): generation at its raw rate."""
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, bb.tokenizer.vocab_size - 100, (n_prompts, prompt_len), generator=gen).to(bb.device)
-
-    def run():
-        with torch.no_grad(), bb.autocast():
-            bb.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=bb.tokenizer.pad_token_id)
-    return rubric_model.best_times({"generate": run}, repeats=1)["generate"]
-
-
-def loop_benchmark(args: arco.Args) -> dict:
-    """`python diagnostics.py --benchmark [arco.py flags]`: one dense iteration of Algorithm 1 (the costliest:
-    every pass of both models runs) at the run's preset on `batch_size` training questions × 1 sample, timed
-    phase by phase, each beside its raw rate measured in the same process on the same shapes (raw_rates).
-    π's rollout of these questions is timed on every call; the later phases all process one fixed batch, saved by the first
-    call in runs/<dataset>/benchmark/batch.jsonl: the oracle teacher's trajectories on the same questions
-    (gold and imperfect ones, warmup.oracle_script), which hold the valid Search/Finish steps of a policy
-    that works, whatever the preset's π does."""
-    bench = Path(args.out_dir) / args.dataset / "benchmark"
-    warmup_dir = arco.ensure_warmup(args)
-    questions = arco.training_questions(args, warmup_dir)[:args.batch_size]
-    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
-    torch.manual_seed(args.seed)
-    pi, mu = arco.build_models(args, warmup_dir)
-    opt_pi, opt_mu = arco.make_optimizers(pi, mu, args)
-    env.rollout(questions[:1], rubric_model.policy_act(pi, 0.0, 4, 1), retriever)     # warm-up: index, kernels
-    phases: dict[str, dict] = {}
-
-    def timed(name, fn):
-        start = time.perf_counter()
-        out = fn()
-        phases[name] = {"seconds": time.perf_counter() - start}
-        return out
-
-    torch.manual_seed(args.seed)
-    rollout = timed("π rollout", lambda: env.rollout(questions, rubric_model.policy_act(pi, args.rollout_temperature,
-                                                                           args.max_new_tokens_pi, args.gen_batch),
-                                                    retriever, args.max_searches, args.obs_chars))
-    if not (bench / "batch.jsonl").is_file():
-        oracle = warmup.OracleTeacher(seed=args.seed, obs_chars=args.obs_chars)
-        save_batch(bench / "batch.jsonl", oracle.rollout([(q, i % 4) for i, q in enumerate(questions)], retriever)[0])
-    trajs = load_batch(bench / "batch.jsonl", questions)
-    contexts = [c for t in trajs for c in rubric_model.contexts_from_trajectory(t)]
-    _, rubrics, _, s = timed("μ rubrics + scores", lambda: arco.annotate(mu, trajs, args))
-    A, _ = arco.advantages(trajs, s, True, args)
-    timed("π update", lambda: arco.policy_update(pi, opt_pi, trajs, A, args, args.kl_pi_dense))
-    timed("μ update", lambda: arco.rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))
-    peak_gib = arco.peak_rss_gib()
-    gpu_gib = torch.cuda.max_memory_allocated() / 2 ** 30 if pi.device.type == "cuda" else None
-
-    # Token counts of each phase and the raw rates of the same kinds of pass on the same shapes.
-    pi_items = [(len(rubric_model.chat_prompt_ids(pi.tokenizer, st.prompt)),
-                 len(st.output_ids or rubric_model.encode_response(pi, st.output)))
-                for t in trajs for st in t.steps if st.valid]
-    mu_ids = mu.scoring_ids(contexts, rubrics)
-    mu_rubric = [len(r.token_ids) for r in rubrics]
-    mean = lambda xs: max(1, round(sum(xs) / max(1, len(xs))))              # noqa: E731
-    n_pi, n_mu = sum(p + r for p, r in pi_items), sum(map(len, mu_ids))
-    rate_pi = raw_rates(pi, args.micro_batch, mean([p + r for p, r in pi_items]), mean([r for _, r in pi_items]))
-    rate_mu = raw_rates(mu.backbone, args.micro_batch, mean(list(map(len, mu_ids))), mean(mu_rubric))
-    rollout_steps = [st for t in rollout for st in t.steps]
-    rounds = max(len(t.steps) for t in rollout)
-    prompt_lens = [len(rubric_model.chat_prompt_ids(pi.tokenizer, st.prompt)) for st in rollout_steps]
-    gen_pi = raw_generation_seconds(pi, min(args.gen_batch, len(rollout)), mean(prompt_lens),
-                                    mean([len(st.output_ids or []) for st in rollout_steps]))
-    gen_mu = raw_generation_seconds(mu.backbone, min(args.gen_batch, len(contexts)),
-                                    mean([len(x) - n for x, n in zip(mu_ids, mu_rubric)]), mean(mu_rubric))
-    raw = {"π rollout": rounds * gen_pi,                                  # one generate call per round
-           "μ rubrics + scores": math.ceil(len(contexts) / args.gen_batch) * gen_mu    # greedy: scores come
-           + (n_mu / rate_mu["hidden"] if args.rubric_temperature else 0.0),          # with the generation
-           "π update": n_pi / rate_pi["train"] + (n_pi / rate_pi["forward"] if args.kl_pi_dense else 0.0),
-           "μ update": n_mu / rate_mu["train"] + (n_mu / rate_mu["forward"] if args.kl_mu else 0.0)}
-    tokens = {"π rollout": sum(len(st.output_ids or []) for st in rollout_steps),
-              "μ rubrics + scores": sum(mu_rubric), "π update": n_pi, "μ update": n_mu}
-    total = sum(p["seconds"] for p in phases.values())
-    lines = [f"loop benchmark: {args.dataset}, preset {args.preset}, one dense iteration on {len(trajs)} "
-             f"trajectories ({len(contexts)} steps), {torch.get_num_threads()} threads",
-             f"{'phase':22s} {'seconds':>8s} {'tokens':>7s} {'tokens/s':>9s} {'raw s':>7s} {'of raw':>7s}"]
-    for name, p in phases.items():
-        p.update(tokens=tokens[name], tokens_per_s=tokens[name] / p["seconds"], raw_seconds=raw[name],
-                 of_raw=raw[name] / p["seconds"])
-        lines.append(f"{name:22s} {p['seconds']:8.1f} {p['tokens']:7d} {p['tokens_per_s']:9.1f} "
-                     f"{p['raw_seconds']:7.1f} {100 * p['of_raw']:6.0f}%")
-    result = {"dataset": args.dataset, "preset": args.preset, "trajectories": len(trajs), "steps": len(contexts),
-              "seconds": total, "trajectories_per_minute": 60 * len(trajs) / total, "peak_rss_gib": peak_gib,
-              "phases": phases, "raw_rates": {"π": rate_pi, "μ": rate_mu}, "threads": torch.get_num_threads()}
-    estimate = rubric_model.memory_estimate(args)
-    dense_epoch = math.ceil(args.train_size / args.batch_size) * total       # a dense epoch: train_size / |B| updates
-    result.update(peak_gpu_gib=gpu_gib, estimate_gib=estimate.get("peak_gib"), dense_epoch_seconds=dense_epoch)
-    lines += [f"{'all':22s} {total:8.1f}   →  {result['trajectories_per_minute']:.2f} trajectories per minute; "
-              f"peak RSS {peak_gib:.2f} GiB" + (f", peak GPU memory {gpu_gib:.2f} GiB" if gpu_gib is not None else ""),
-              estimate["text"],
-              f"projection: one dense epoch ({math.ceil(args.train_size / args.batch_size)} updates of "
-              f"{args.batch_size} trajectories) ≈ {dense_epoch / 3600:.2f} h, the paper schedule's "
-              f"{args.epochs - args.sparse_epochs} dense epochs ≈ {(args.epochs - args.sparse_epochs) * dense_epoch / 3600:.1f} h "
-              f"(paper, Appendix C, HotpotQA / Qwen3-4B on one 80 GB GPU: 1h 22m of dense training up to its "
-              f"selected checkpoint)",
-              "raw: tokens of the phase at the raw rate of its kind of pass on uniform batches of the same "
-              "mean length (tokens: new tokens for generation, sequence tokens otherwise)"]
-    print("\n".join(lines))
-    bench.mkdir(parents=True, exist_ok=True)
-    env.write_json(bench / f"loop-{time.strftime('%Y%m%d-%H%M%S')}.json", result)
-    return result
-
-
 def run_command(args: "Args") -> None:
     """`--run`: the comparison table (printed and written), then with --diagnose the diagnostics."""
     runs = [open_run(f, args.checkpoint) for f in args.run]
@@ -1549,11 +1380,6 @@ def run_command(args: "Args") -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--benchmark" in argv:           # the loop benchmark takes arco.py's flags (its preset, sizes, models)
-        argv.remove("--benchmark")
-        loop_benchmark(arco.resolve_args(parse_args(arco.Args, argv, description=loop_benchmark.__doc__)))
-        return
     args = parse_args(Args, argv, description=__doc__)
     if not args.run:
         print("error: give --run DIR (one or more; to score a predictions file: env.py --predictions)",

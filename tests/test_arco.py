@@ -348,11 +348,11 @@ def test_learning_rate_and_kl_switch_at_the_transition(tiny_run, tiny_dir, monke
 
 
 def test_the_loop_benchmark_times_one_dense_iteration_on_a_saved_batch(tiny_run, tiny_dir):
-    """`diagnostics.py --benchmark` (arco.py's flags): every phase timed beside its raw rate, on the oracle's
+    """`benchmark.py loop` (arco.py's flags): every phase timed beside its raw rate, on the oracle's
     batch that the first call saves and a later call reads back unchanged."""
-    import diagnostics
-    argv = ["--benchmark"] + tiny_args(tiny_dir, tiny_run, warmup_dir=tiny_run / "synthetic" / "warmup")
-    diagnostics.main(argv)
+    import benchmark
+    argv = ["loop"] + tiny_args(tiny_dir, tiny_run, warmup_dir=tiny_run / "synthetic" / "warmup")
+    benchmark.main(argv)
     bench = tiny_run / "synthetic" / "benchmark"
     saved = (bench / "batch.jsonl").read_bytes()
     result = json.loads(sorted(bench.glob("loop-*.json"))[-1].read_text())
@@ -361,8 +361,8 @@ def test_the_loop_benchmark_times_one_dense_iteration_on_a_saved_batch(tiny_run,
     assert all(p["seconds"] > 0 and p["raw_seconds"] > 0 and p["tokens"] > 0 for p in result["phases"].values())
     assert result["trajectories_per_minute"] == pytest.approx(60 * 4 / result["seconds"])
     examples = arco.training_questions(arco.resolve_args(arco.parse_args(arco.Args, argv[1:])), tiny_run)
-    trajs = diagnostics.load_batch(bench / "batch.jsonl", examples)
-    diagnostics.save_batch(tiny_run / "again.jsonl", trajs)
+    trajs = benchmark.load_batch(bench / "batch.jsonl", examples)
+    benchmark.save_batch(tiny_run / "again.jsonl", trajs)
     assert (tiny_run / "again.jsonl").read_bytes() == saved                  # the batch reads back exactly
 
 

@@ -1,11 +1,12 @@
 """The scripts import one way: each only the ones below it (evaluate ← env ← rubric_model ← warmup ← arco
-← diagnostics / study), at the top of the file; checked on the source with `ast`."""
+← diagnostics / study / benchmark), at the top of the file; checked on the source with `ast`. Every shared
+setting is declared once, with its presets' values beside it, and no script reaches for another's settings."""
 import ast
 import dataclasses
 from pathlib import Path
 
-ORDER = ["evaluate", "env", "rubric_model", "warmup", "arco", "diagnostics", "study"]
-TOP = {"diagnostics", "study"}                  # the top floor: nothing imports them, nor each other
+ORDER = ["evaluate", "env", "rubric_model", "warmup", "arco", "diagnostics", "study", "benchmark"]
+TOP = {"diagnostics", "study", "benchmark"}     # the top floor: nothing imports them, nor each other
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -30,7 +31,7 @@ def test_imports_flow_one_way_at_the_top():
     assert upward == set()
     inside = {(m, imp) for m in ORDER for imp in project_imports(m, nested=True)}
     assert inside == set()                              # no project import hides inside a function
-    assert not any(imp in TOP for _, imp in every)      # nothing imports the diagnostics or the study
+    assert not any(imp in TOP for _, imp in every)      # nothing imports the diagnostics, the study or the benchmarks
 
 
 # The names of the engines (rubric_model's fast machinery) and of data parallelism (torchrun's ranks).
@@ -92,3 +93,31 @@ def test_every_preset_driven_setting_is_declared_once_with_both_presets_values()
     for name in warmup.PRESET_NAMES:                                      # every one filled from its declaration
         filled = arco.resolve_args(arco.Args(preset=name))
         assert all(getattr(filled, f) == v for f, v in arco.PRESETS[name].items() if f not in ("warmup_size",))
+
+
+SCRIPTS = ["rubric_model", "warmup", "arco", "diagnostics", "study", "benchmark"]
+
+
+def own_fields(module: str) -> set[str]:
+    """The fields of the settings `module` defines (its dataclasses named *Args or *Settings: the command line's),
+    their bases' included: its own settings hierarchy."""
+    mod = __import__(module)
+    return {f.name for node in tree(module).body if isinstance(node, ast.ClassDef)
+            and node.name.endswith(("Args", "Settings")) for f in dataclasses.fields(getattr(mod, node.name))}
+
+
+def test_no_script_reads_another_scripts_settings_by_getattr():
+    """getattr/hasattr of a setting's name (a field of any script's settings) names one of the module's own
+    dataclasses' fields, and no getattr on a script's settings (args, a, settings) hedges with a default."""
+    every = set().union(*(own_fields(m) for m in SCRIPTS))
+    for module in ORDER:
+        mine = own_fields(module) if module in SCRIPTS else set()
+        for node in ast.walk(tree(module)):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2):
+                continue
+            obj, key = node.args[0], node.args[1]
+            if isinstance(key, ast.Constant) and key.value in every:
+                assert key.value in mine, f"{module}.py:{node.lineno} reads {key.value!r}, not a setting of its own"
+            if isinstance(obj, ast.Name) and obj.id in ("args", "a", "settings"):
+                assert node.func.id == "getattr" and len(node.args) == 2, f"{module}.py:{node.lineno}"

@@ -78,12 +78,12 @@ def test_parameter_count_from_the_shape_is_the_models(fixture, request):
     count is the loaded model's."""
     folder = request.getfixturevalue(fixture)
     bb = rm.load_backbone(str(folder), device="cpu")
-    assert rm._parameters(rm.model_shape(str(folder))) == sum(p.numel() for p in bb.model.parameters())
+    assert arco._parameters(rm.model_shape(str(folder))) == sum(p.numel() for p in bb.model.parameters())
 
 
 def test_a_random_model_of_a_public_shape_has_its_size_and_the_same_weights_each_time():
     a = rm.load_backbone("random:SmolLM2-135M", device="cpu")
-    assert sum(p.numel() for p in a.model.parameters()) == rm._parameters(rm.SHAPES["SmolLM2-135M"]) == 134_515_008
+    assert sum(p.numel() for p in a.model.parameters()) == arco._parameters(rm.SHAPES["SmolLM2-135M"]) == 134_515_008
     b = rm.load_backbone("random:SmolLM2-135M", device="cpu")
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
     with pytest.raises(rm.ModelLoadError, match="random:"):
@@ -112,7 +112,7 @@ def test_activation_bytes_per_token_match_what_autograd_saves(tiny_qwen3_dir, ti
                 return t
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 rm.packed_steps(bb, seqs, lens, None, ref)
-            per = rm._token_bytes(bb.model.config.to_dict(), 4 if dtype == "float32" else 2)
+            per = arco._token_bytes(bb.model.config.to_dict(), 4 if dtype == "float32" else 2)
             estimate = 384 * per["activations"] + 384 ** 2 * per["mask"] + sum(lens) * per["logits"]
             assert estimate == pytest.approx(sum(seen.values()) + sum(r.numel() * 4 for r in ref), rel=0.25), \
                 (folder.name, dtype, estimate, sum(seen.values()))

@@ -476,15 +476,16 @@ def test_embedded_model_loads_with_its_chat_template(smol):
 
 
 def test_untrained_mu_writes_criteria_json_on_scripted_steps(smol):
-    """Acceptance 3 on a few steps (the full measurement: `python rubric_model.py --parse-rate 20`)."""
+    """Acceptance 3 on a few steps (the full measurement: `python benchmark.py parse-rate --examples 20`)."""
     env = pytest.importorskip("env")
-    trajs = rm.scripted_trajectories(2, seed=0)
+    benchmark = pytest.importorskip("benchmark")
+    trajs = benchmark.scripted_trajectories(2, seed=0)
     contexts = [c for t in trajs for c in rm.contexts_from_trajectory(t)]
     assert len(contexts) == sum(len(t.steps) for t in trajs) and all(t.reward == 1.0 for t in trajs)
     assert contexts[0].prefix == "" and contexts[1].prefix == env.format_history(trajs[0].steps[:1])
     mu = RubricModel(smol, k=3)
     rubrics = mu.generate_rubrics(contexts, temperature=0.0, max_new_tokens=128)
-    rate = rm.parse_rate(rubrics, 3)
+    rate = benchmark.parse_rate(rubrics, 3)
     print("untrained μ, greedy, scripted steps:", rate)
     assert rate["parsed"] >= 0.8 and rate["k_criteria_after_salvage"] >= 0.8
     eot = smol.tokenizer.convert_tokens_to_ids("<|im_end|>")
