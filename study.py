@@ -116,7 +116,8 @@ def ladder(argv: Sequence[str], rows: Sequence[str]) -> Path:
         if trajs is None:
             retriever = env.Retriever(base.retriever or None, pooling=base.retriever_pooling)
             trajs = warmup.policy_dev_rollouts(base, folder, retriever)
-        mu = rubric_model.RubricModel.load(folder / name, device=base.device, dtype=base.dtype, autocast=base.autocast)
+        mu = rubric_model.RubricModel.load(folder / name, device=base.device, dtype=base.dtype, autocast=base.autocast,
+                                           engine=base.engine)
         done[row] = {"mu": name, "settings": LADDER[row], "command": ladder_command(row),
                      **warmup.policy_dev_auc(mu, trajs, base.gen_batch, base.max_new_tokens_mu),
                      "position": position_auc(trajs), "sft": mu_sft_facts(folder, name)}

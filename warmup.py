@@ -49,6 +49,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 import env
+import fast  # registers --engine fast
 from evaluate import auc_by_step_type, main_guard, normalize_answer, parse_args
 from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, ModelSettings, RubricModel, StepContext, add_lora,
                           chat_prompt_ids, check_model_available, contexts_from_trajectory, encode_response,
@@ -94,10 +95,11 @@ class Settings(ModelSettings):
         "help": "μ SFT data: teacher (the oracle's or API teacher's own trajectories, App. B), policy (π_sft's own "
                 "rollouts of the μ SFT questions, each step annotated by the oracle from the gold evidence; issue 33) "
                 "or both", "choices": ["teacher", "policy", "both"]})
-    engine: str = field(default="fast", metadata={"help": "how the updates' passes are computed: fast (shared "
-                                                           "beginnings once, packed) or plain (one forward per "
-                                                           "sequence: the code to read); the same numbers",
-                                                   "choices": list(ENGINES)})
+    engine: str = field(default="fast", metadata={"help": "how π's and μ's passes and replies are computed: fast "
+                                                           "(shared beginnings once, packed, a cached decoder) or "
+                                                           "plain (one forward per sequence, a plain sampling loop: "
+                                                           "the code to read); the same numbers",
+                                                   "choices": sorted(ENGINES)})
     preset: str = field(default="cpu", metadata={"help": "cpu (embedded SmolLM2, minutes on a laptop) or paper "
                                                           "(Qwen3-4B and the authors' release recipe, one GPU)",
                                                   "choices": list(PRESET_NAMES)})
@@ -1286,14 +1288,13 @@ def warmup_cosine(optimizer, total_steps: int, warmup_fraction: float = 0.03):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def policy_sft_backward(pi, batch: Sequence[tuple[list[int], list[int]]], micro_batch: int,
-                        engine: str = "fast") -> float:
+def policy_sft_backward(pi, batch: Sequence[tuple[list[int], list[int]]], micro_batch: int) -> float:
     """π SFT's loss on one optimizer batch of (policy prompt, action) pairs, backpropagated; returns its
     value: the mean NLL of the target actions' tokens (target tokens only) over the whole batch, so the
     memory knob `micro_batch` (sequences per pass) does not change it."""
     seqs, lens = [p + r for p, r in batch], [len(r) for _, r in batch]
     total = 0.0
-    for p in training_passes(pi, seqs, lens, engine=engine, budget=None, units=_micro(list(range(len(batch))), micro_batch)):
+    for p in training_passes(pi, seqs, lens, budget=None, units=_micro(list(range(len(batch))), micro_batch)):
         loss = -(p.logprobs * p.mask).sum() / sum(lens)
         loss.backward()
         total += float(loss.detach())
@@ -1310,7 +1311,7 @@ def dev_rank(scores: dict) -> tuple:
 
 def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch_size: int = 8, seed: int = 0,
                      progress: bool = True, micro_batch: int = 4, weight_decay: float = 0.0,
-                     evaluate: Callable | None = None, engine: str = "fast") -> dict:
+                     evaluate: Callable | None = None) -> dict:
     """π warmup (App. B): a LoRA trained on (policy prompt → action), then merged into the weights.
 
     AdamW with a 3%-warmup cosine schedule (the release's). With `evaluate` (π → its dev scores), π is
@@ -1331,7 +1332,7 @@ def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch
         batches = _shuffled_batches(len(data), batch_size, rng)
         for b in tqdm(batches, desc=f"π SFT epoch {epoch + 1}/{epochs}", disable=not progress, leave=False):
             opt.zero_grad(set_to_none=True)
-            total += policy_sft_backward(pi, [data[i] for i in b], micro_batch, engine) * len(b)
+            total += policy_sft_backward(pi, [data[i] for i in b], micro_batch) * len(b)
             opt.step()
             schedule.step()
         losses.append(total / max(len(data), 1))
@@ -1381,8 +1382,7 @@ def rubric_sft_loss(d: torch.Tensor, targets: torch.Tensor, logprobs: torch.Tens
     return text + lam * score, text, score
 
 
-def rubric_sft_passes(mu, items: Sequence[dict], lam: float, micro_batch: int, token_reduction: str = "sum",
-                      engine: str = "fast"):
+def rubric_sft_passes(mu, items: Sequence[dict], lam: float, micro_batch: int, token_reduction: str = "sum"):
     """Eq. 7 (rubric_sft_loss) on each pass of `micro_batch` steps of a batch, normalized over the whole
     batch: yields (loss, text, score) per pass. Both heads read the same pass (Eq. 2's pooled vector, the
     rubric tokens' log-probs)."""
@@ -1391,17 +1391,16 @@ def rubric_sft_passes(mu, items: Sequence[dict], lam: float, micro_batch: int, t
     seqs = mu.scoring_ids(contexts, rubrics)
     lens = [len(r.token_ids) if has_text else 0 for r in rubrics]
     units = _micro(list(range(len(items))), micro_batch)
-    for p in training_passes(mu.backbone, seqs, lens, engine=engine, budget=None, units=units):
+    for p in training_passes(mu.backbone, seqs, lens, budget=None, units=units):
         yield rubric_sft_loss(mu.step_scores(p.pooled).d, targets[p.index], p.logprobs if has_text else None, p.mask,
                               lam, token_reduction, len(items), sum(lens))
 
 
-def rubric_sft_backward(mu, items: Sequence[dict], lam: float, micro_batch: int, token_reduction: str = "sum",
-                        engine: str = "fast") -> float:
+def rubric_sft_backward(mu, items: Sequence[dict], lam: float, micro_batch: int, token_reduction: str = "sum") -> float:
     """Eq. 7 on one optimizer batch, backpropagated pass by pass; returns its value (the memory knob
     `micro_batch` does not change it)."""
     total = 0.0
-    for loss, _, _ in rubric_sft_passes(mu, items, lam, micro_batch, token_reduction, engine):
+    for loss, _, _ in rubric_sft_passes(mu, items, lam, micro_batch, token_reduction):
         loss.backward()
         total += float(loss.detach())
     return total
@@ -1417,7 +1416,7 @@ def rubric_sft_terms(mu, items: Sequence[dict], lam: float, batch_size: int = 8,
 
 def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr: float, lam: float,
                      batch_size: int = 8, seed: int = 0, progress: bool = True, micro_batch: int = 2,
-                     weight_decay: float = 0.0, token_reduction: str = "sum", engine: str = "fast") -> list[float]:
+                     weight_decay: float = 0.0, token_reduction: str = "sum") -> list[float]:
     """μ warmup (App. B, Eq. 7): a LoRA on μ's backbone and the score head, trained together with
     separate learning rates (AdamW, the release's 3%-warmup cosine schedule); the last epoch is kept
     (as in the release, which has no validation split for μ) and its LoRA merged. Returns the mean
@@ -1433,7 +1432,7 @@ def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr:
         for b in tqdm(_shuffled_batches(len(items), batch_size, rng), desc=f"μ SFT epoch {epoch + 1}/{epochs}",
                       disable=not progress, leave=False):
             opt.zero_grad(set_to_none=True)
-            total += rubric_sft_backward(mu, [items[i] for i in b], lam, micro_batch, token_reduction, engine) * len(b)
+            total += rubric_sft_backward(mu, [items[i] for i in b], lam, micro_batch, token_reduction) * len(b)
             opt.step()
             schedule.step()
         losses.append(total / max(len(items), 1))
@@ -1530,7 +1529,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     if (out_dir / "pi_sft" / "config.json").is_file() and "sft_only" in old:
         print(f"[warmup] π SFT: reusing {out_dir / 'pi_sft'}", flush=True)
     else:
-        pi = load_backbone(args.model, device=args.device, dtype=args.dtype, autocast=args.autocast)
+        pi = load_backbone(args.model, device=args.device, dtype=args.dtype, autocast=args.autocast, engine=args.engine)
         def dev_eval(policy):
             return env.evaluate(dev, policy_act(policy, 0.0, args.max_new_tokens_pi, args.gen_batch), retriever,
                                 obs_chars=args.obs_chars)                   # greedy
@@ -1541,7 +1540,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
             env.write_json(out_dir / "metrics.json", metrics)
         torch.manual_seed(args.seed)            # π's LoRA initialization and dropout: a warmup repeats exactly
         sft = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi, args.sft_batch_pi, args.seed,
-                               args.progress, args.micro_batch, args.weight_decay, dev_eval, args.engine)
+                               args.progress, args.micro_batch, args.weight_decay, dev_eval)
         metrics["pi_sft_loss_per_epoch"] = sft["losses"]
         metrics["pi_sft_dev_em_per_epoch"] = [e["em"] for e in sft["evals"]]
         metrics["pi_sft_epoch"] = sft["best"]["epoch"]
@@ -1567,7 +1566,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     if args.balance_finishes:
         mu_items = balanced_finishes(mu_items)
     mu_backbone = load_backbone(args.mu_model or args.model, device=args.device, dtype=args.dtype,
-                                autocast=args.autocast)
+                                autocast=args.autocast, engine=args.engine)
     torch.manual_seed(args.seed)                # μ's score head, LoRA and dropout (whether π was reused or not)
     mu = RubricModel(mu_backbone, k=args.k, rubric_mode=args.rubric, examples=args.mu_examples)
     probe = list(mu_items[:args.warmup_probe])
@@ -1580,7 +1579,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     m["mu_sft_loss_per_epoch"] = train_rubric_sft(mu, mu_items, args.sft_epochs_mu, args.sft_lr_mu,
                                                   args.sft_head_lr, args.score_weight, args.sft_batch_mu,
                                                   args.seed, args.progress, args.micro_batch, args.weight_decay,
-                                                  args.token_reduction, args.engine)
+                                                  args.token_reduction)
     if args.sft_head_steps:
         m["mu_head_fit_error"] = fit_score_head(mu, mu_items, args.sft_head_steps, args.sft_head_lr,
                                                 own=args.head_fit == "own", max_new_tokens=args.max_new_tokens_mu,
@@ -1597,7 +1596,8 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
 
 
 def on_policy_teacher(args: "Args", out_dir: Path) -> OnPolicyTeacher:
-    pi, _ = load_backbone_checkpoint(out_dir / "pi_sft", device=args.device, dtype=args.dtype, autocast=args.autocast)
+    pi, _ = load_backbone_checkpoint(out_dir / "pi_sft", device=args.device, dtype=args.dtype, autocast=args.autocast,
+                                     engine=args.engine)
     return OnPolicyTeacher(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch, args.seed,
                            args.obs_chars)
 

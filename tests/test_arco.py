@@ -94,7 +94,7 @@ def test_policy_update_kl_term_is_kl_of_pi_to_pi_ref_not_the_reverse(tiny_dir, e
     KL(π ‖ π_ref) and KL(π_ref ‖ π) differ by far more than the tolerance (the LM head scaled up, so that
     the tiny model's distributions are peaked): the reported loss is the first,
     and the reverse direction falls outside the tolerance."""
-    pi = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
+    pi = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=engine), dropout=0.0)
     perturb_lora(pi, std=2.0)
     with torch.no_grad():                  # peaked distributions: a random tiny model's are near uniform, where
         pi.model.get_output_embeddings().weight.mul_(40)      # the two directions agree to second order
@@ -188,8 +188,11 @@ def test_rubric_update_moves_lora_and_head_and_lowers_the_decomposition_error(ti
     # step's KL is the mean over its rubric tokens; the steps' KLs are summed and divided by |B| = 2.
     with torch.no_grad():
         s = mu.score(contexts, rubrics).s.tolist()
-        kl = mu.rubric_kl(contexts, rubrics)
-    step_kl = [float(kl.kl[i][kl.mask[i]].mean()) for i in range(len(contexts))]
+        bb.engine = "plain"                                   # each step's KL by one ordinary pass per sequence
+        kl = list(rm.training_passes(bb, mu.scoring_ids(contexts, rubrics), [len(r.token_ids) for r in rubrics],
+                                     kl=True, budget=None))
+        bb.engine = "fast"
+    step_kl = [float(p.kl[0][p.mask[0]].mean()) for p in kl]
     n0 = len(trajs[0].steps)
     decomposition = (sum(s[:n0]) ** 2 + sum(s[n0:]) ** 2) / 2
     assert whole["rubric_loss"] == pytest.approx(0.5 * decomposition + 0.05 * sum(step_kl) / 2, rel=1e-4)
@@ -296,12 +299,15 @@ def test_the_whole_loop_writes_the_same_numbers_on_both_engines(tiny_run, tiny_d
     """The tiny loop (two epochs, three updates, evaluations) with --engine plain against --engine fast, both
     run here on the warmup of tiny_run, LoRA dropout 0 (each engine draws its own dropout masks otherwise),
     autocast off: metrics.jsonl's numbers within rel 1e-4 (float32 sums in another order, through three
-    updates and the sampled rollouts they lead to)."""
+    updates and the sampled rollouts they lead to). The engines generate too, so the rollouts are sampled with
+    --sampling trajectory: each trajectory draws from its own seeded stream, which the plain engine's
+    one-prompt-at-a-time loop and the fast engine's batch draw alike (--sampling batch draws once over the
+    fast engine's whole generation batch, which a loop over single prompts cannot repeat)."""
     warm = tiny_run / "synthetic" / "warmup"
     rows = {}
     for engine in ("fast", "plain"):
         arco.main(tiny_args(tiny_dir, tiny_run, name=f"engine-{engine}", warmup_dir=warm, engine=engine,
-                            lora_dropout=0, autocast="off"))
+                            lora_dropout=0, autocast="off", sampling="trajectory"))
         rows[engine] = numbers(read_jsonl(tiny_run / "synthetic" / f"engine-{engine}" / "metrics.jsonl"))
     assert len(rows["fast"]) == 6 and first_difference(rows["plain"], rows["fast"]) is None
 

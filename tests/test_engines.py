@@ -1,13 +1,19 @@
-"""The two engines of rubric_model.training_passes compute the same numbers: the plain one (one ordinary
-forward per sequence, the code a porter reads) is the reference the fast one (shared prefixes, packed rows,
-token budgets, checkpointing) is checked against, both computed here, on this machine, with autocast off
-(float32 kernels; bf16 autocast rounds the two engines' sums differently)."""
+"""The two engines compute the same numbers: the plain one (rubric_model.py: one ordinary forward per sequence,
+a plain sampling loop; the code a porter reads) is the reference the fast one (fast.py: shared prefixes, packed
+rows, token budgets, checkpointing, a cached decoder) is checked against, both computed here, on this machine,
+with autocast off (float32 kernels; bf16 autocast rounds the two engines' sums differently): the training
+passes, one iteration's updates, greedy and seeded rollouts, μ's greedy rubrics and their scores; and a whole
+tiny run with --engine plain never touches fast.py, killed and resumed or not."""
+import json
+
 import pytest
 import torch
 
 import arco
 import env
+import fast
 import rubric_model as rm
+from test_arco import numbers, read_jsonl, tiny_args
 
 REL, ABS = 1e-4, 1e-6          # float32 sums in another order
 
@@ -17,9 +23,9 @@ class TitleRetriever:
         return [next((i for i, (t, _) in enumerate(ex.paragraphs) if t in q), 0) for ex, q in zip(examples, queries)]
 
 
-def perturbed(model_dir, seed):
+def perturbed(model_dir, seed, engine="fast"):
     torch.manual_seed(seed)      # add_lora draws lora_A from the global generator
-    bb = rm.add_lora(rm.load_backbone(str(model_dir), device="cpu", autocast="off"), dropout=0.0)
+    bb = rm.add_lora(rm.load_backbone(str(model_dir), device="cpu", autocast="off", engine=engine), dropout=0.0)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in bb.model.named_parameters():
@@ -49,11 +55,12 @@ def test_the_passes_of_both_engines_hold_the_same_numbers(tiny_any_dir, budget):
     bb.model.train()
     got = {}
     for engine in ("plain", "fast"):
+        bb.engine = engine
         params = rm.trainable_parameters(bb.model)
         for p in params:
             p.grad = None
         rows = {}
-        for p in rm.training_passes(bb, seqs, lens, kl=True, engine=engine, budget=budget, units=units):
+        for p in rm.training_passes(bb, seqs, lens, kl=True, budget=budget, units=units):
             loss = 0.0
             for j, i in enumerate(p.index):
                 r = lens[i]
@@ -78,7 +85,7 @@ def test_one_iteration_is_the_same_on_both_engines(tiny_dir):
     trajs = scripted_trajectories()
     results = {}
     for engine in ("plain", "fast"):
-        pi, mu_bb = perturbed(tiny_dir, 1), perturbed(tiny_dir, 2)
+        pi, mu_bb = perturbed(tiny_dir, 1, engine), perturbed(tiny_dir, 2, engine)
         torch.manual_seed(3)
         mu = rm.RubricModel(mu_bb, k=3, examples=0)
         args = arco.resolve_args(arco.Args(token_reduction="mean", kl_mu=0.05, engine=engine, pass_tokens=200))
@@ -91,7 +98,8 @@ def test_one_iteration_is_the_same_on_both_engines(tiny_dir):
         grads = [p.grad.clone() for opt in (opt_pi, opt_mu) for g in opt.param_groups for p in g["params"]]
         results[engine] = (policy, rubric, grads, s, A)
     (pp, rp, gp, sp, Ap), (pf, rf, gf, sf, Af) = results["plain"], results["fast"]
-    assert torch.equal(sp, sf) and Ap == Af                  # μ's scores do not depend on the engine
+    torch.testing.assert_close(sf, sp, rtol=REL, atol=ABS)  # μ's rubrics and scores (each engine's decoding)
+    assert [a for row in Af for a in row] == pytest.approx([a for row in Ap for a in row], rel=REL, abs=ABS)
     assert pp["policy_steps"] == pf["policy_steps"] == sum(st.valid for t in trajs for st in t.steps) > 4
     for got, want in ((pf, pp), (rf, rp)):
         assert got.keys() == want.keys()
@@ -100,3 +108,111 @@ def test_one_iteration_is_the_same_on_both_engines(tiny_dir):
     assert pp["kl_pi"] > 1e-4 and rp["kl_mu"] > 0 and rp["decomposition_mse"] > 0
     for a, b in zip(gp, gf):
         torch.testing.assert_close(b, a, rtol=REL, atol=ABS)
+
+
+# ----------------------------------------------------------------------------- generation: rollouts and rubrics
+def rollouts(bb, examples, temperature, seeds=None):
+    """π's rollouts of `examples` (env.rollout with policy_act), each step's generated ids."""
+    trajs = env.rollout(examples, rm.policy_act(bb, temperature, 12, 2), TitleRetriever(), seeds=seeds)
+    return trajs, [[st.output_ids for st in t.steps] for t in trajs]
+
+
+def greedy_rubrics(bb, contexts):
+    """μ's greedy rubrics of `contexts` (RubricModel.annotate, the score head seeded alike) and their d_t."""
+    torch.manual_seed(0)
+    mu = rm.RubricModel(bb, k=3, examples=0)
+    with torch.no_grad():
+        mu.head.net[-1].weight.normal_(std=0.5)             # scores far from 0, so a difference would show
+    rubrics, scores = mu.annotate(contexts, temperature=0.0, max_new_tokens=16, batch_size=2)
+    return [r.token_ids for r in rubrics], scores.d
+
+
+def both_engines(bb, run):
+    """`run(bb)` with the backbone's engine set to fast, then plain (the engine is read at each call)."""
+    out = {}
+    for engine in ("fast", "plain"):
+        bb.engine = engine
+        out[engine] = run(bb)
+    return out["fast"], out["plain"]
+
+
+def test_greedy_rollouts_and_rubrics_are_the_same_on_both_engines(tiny_any_dir):
+    """Greedy: π's rollouts (policy_act at temperature 0; the fast engine's memo, packed prefill and batch
+    against one prompt at a time) write the same tokens, and μ's greedy rubrics (annotate, scored from the
+    generation's own hidden states) the same tokens and d_t."""
+    bb = perturbed(tiny_any_dir, 3)
+    examples = env.synthetic_examples(3, split="dev")
+    (trajs, fast_ids), (_, plain_ids) = both_engines(bb, lambda b: rollouts(b, examples, 0.0))
+    assert fast_ids == plain_ids and sum(len(t) for t in fast_ids) >= 3
+    contexts = [c for t in trajs for c in rm.contexts_from_trajectory(t)]
+    (fast_r, fast_d), (plain_r, plain_d) = both_engines(bb, lambda b: greedy_rubrics(b, contexts))
+    assert fast_r == plain_r
+    torch.testing.assert_close(plain_d, fast_d, rtol=REL, atol=1e-5)
+
+
+def test_seeded_sampled_rollouts_are_the_same_on_both_engines(tiny_any_dir):
+    """Sampling with per-trajectory seeds (--sampling trajectory): each prompt draws from its own generator,
+    so the one-prompt-at-a-time loop draws what the fast engine's batch draws."""
+    bb = perturbed(tiny_any_dir, 4)
+    examples = env.synthetic_examples(4, split="dev")
+    (_, fast_ids), (_, plain_ids) = both_engines(bb, lambda b: rollouts(b, examples, 0.7, seeds=[11, 12, 13, 14]))
+    assert fast_ids == plain_ids
+    (_, again), _ = both_engines(bb, lambda b: rollouts(b, examples, 0.7, seeds=[21, 12, 13, 14]))
+    assert again[1:] == fast_ids[1:] and again[0] != fast_ids[0]          # a stream per trajectory
+
+
+def test_the_embedded_model_writes_the_same_rollouts_and_rubrics_on_both_engines(smol_dir):
+    """The same on the embedded SmolLM2 (float32, autocast off), 2 synthetic questions: greedy rollouts, and μ's
+    greedy rubrics of their steps."""
+    bb = rm.load_backbone(str(smol_dir), device="cpu", autocast="off")
+    examples = env.synthetic_examples(2, split="dev")
+    (trajs, fast_ids), (_, plain_ids) = both_engines(bb, lambda b: rollouts(b, examples, 0.0))
+    assert fast_ids == plain_ids
+    contexts = [c for t in trajs for c in rm.contexts_from_trajectory(t)][:3]
+    (fast_r, fast_d), (plain_r, plain_d) = both_engines(bb, lambda b: greedy_rubrics(b, contexts))
+    assert fast_r == plain_r and all(fast_r)
+    torch.testing.assert_close(plain_d, fast_d, rtol=1e-3, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- --engine plain, end to end
+def no_fast_engine(monkeypatch):
+    """Every public function and class of fast.py, and its entry in rubric_model.ENGINES, raise when used."""
+    def refuse(*a, **kw):
+        raise AssertionError("fast.py was used by a --engine plain run")
+    for name, value in vars(fast).items():
+        if not name.startswith("_") and callable(value) and getattr(value, "__module__", None) == "fast":
+            monkeypatch.setattr(fast, name, refuse)
+    monkeypatch.setitem(rm.ENGINES, "fast", rm.Engine(passes=refuse, decode=refuse, memo=refuse, check=refuse))
+
+
+def test_a_plain_run_never_uses_fast_and_resumes_to_the_same_numbers(tiny_dir, tmp_path, monkeypatch):
+    """With every public name of fast.py raising, the tiny command with --engine plain runs whole: the warmup (its
+    collection, π SFT with its dev evaluations, μ SFT, the head fit), the rollouts, μ's rubrics and scores, both
+    updates, the evaluations. Then the same run killed in its dense epoch (nothing saved) and resumed ends with
+    the uninterrupted run's metrics.jsonl, exactly (computed here: no numbers recorded elsewhere)."""
+    no_fast_engine(monkeypatch)
+    with pytest.raises(AssertionError, match="fast.py was used"):       # the fast engine is out of reach
+        rm.load_backbone(str(tiny_dir), device="cpu", engine="fast")
+    argv = dict(engine="plain", autocast="off")
+    arco.main(tiny_args(tiny_dir, tmp_path, **argv))
+    ref = tmp_path / "synthetic" / "arco"
+    rows = read_jsonl(ref / "metrics.jsonl")
+    assert [r["epoch"] for r in rows if r["kind"] == "eval"] == [0, 1, 2]
+    assert [r["dense"] for r in rows if r["kind"] == "update"] == [False, False, True]
+    assert json.loads((ref / "args.json").read_text())["engine"] == "plain"
+
+    calls, real_update = [], arco.rubric_update
+
+    def killing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:                                  # epoch 2 (dense), batch 0: a hard kill, nothing saved
+            raise RuntimeError("simulated kill")
+        return real_update(*a, **kw)
+    warm = tmp_path / "synthetic" / "warmup"
+    monkeypatch.setattr(arco, "rubric_update", killing)
+    with pytest.raises(RuntimeError, match="simulated kill"):
+        arco.main(tiny_args(tiny_dir, tmp_path, name="killed", warmup_dir=warm, **argv))
+    monkeypatch.setattr(arco, "rubric_update", real_update)
+    arco.main(tiny_args(tiny_dir, tmp_path, name="killed", warmup_dir=warm, resume=True, **argv))
+    assert numbers(read_jsonl(tmp_path / "synthetic" / "killed" / "metrics.jsonl")) == numbers(rows)
+

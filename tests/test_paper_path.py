@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import arco
+import fast
 import rubric_model as rm
 
 SHRUNK = dict(train_size=4, eval_size=3, epochs=2, sparse_epochs=1, batch_size=4, warmup_size=4, warmup_samples=2,
@@ -103,7 +104,7 @@ def test_activation_bytes_per_token_match_what_autograd_saves(tiny_qwen3_dir, ti
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(100, 1000, (384,), generator=g).tolist()
             seqs, lens = [ids[:256] + ids[256:320], ids[:256] + ids[320:]], [8, 8]      # one packed row of 384
-            ref = rm.reference_logq(bb, seqs, lens)
+            ref = fast.reference_logq(bb, seqs, lens)
             seen = {}
 
             def pack(t):
@@ -111,7 +112,7 @@ def test_activation_bytes_per_token_match_what_autograd_saves(tiny_qwen3_dir, ti
                     seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
                 return t
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                rm.packed_steps(bb, seqs, lens, None, ref)
+                fast.packed_steps(bb, seqs, lens, None, ref)
             per = arco._token_bytes(bb.model.config.to_dict(), 4 if dtype == "float32" else 2)
             estimate = 384 * per["activations"] + 384 ** 2 * per["mask"] + sum(lens) * per["logits"]
             assert estimate == pytest.approx(sum(seen.values()) + sum(r.numel() * 4 for r in ref), rel=0.25), \

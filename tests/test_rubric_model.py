@@ -1,5 +1,6 @@
 """Tests of rubric_model.py: backbones, LoRA, generation, log-probs and KL, and μ (§3.1, Eq. 2;
-the KL of Eq. 5).
+the KL of Eq. 5); and of the fast engine's parts (fast.py: pack, token_passes, packed passes, decode,
+PromptMemo, its load check) against one pass per sequence and transformers' own generate.
 
 Mechanics run on two tiny random-init models that use the embedded SmolLM2 tokenizer, a Llama
 (hidden 32, tied embeddings) and a Qwen3 shaped like the paper's (heads x head_dim != hidden, untied,
@@ -16,9 +17,23 @@ import pytest
 import torch
 from torch import nn
 
+import fast
 import rubric_model as rm
 from rubric_model import (Backbone, Rubric, RubricModel, ScoreHead, StepContext, add_lora, generate, mean_pool,
-                          merge_lora, parse_criteria, reference, response_kl, sequence_logprobs, token_kl)
+                          merge_lora, parse_criteria, reference, sequence_logprobs, token_kl)
+
+
+def plain_kl(bb, prompts, responses):
+    """The per-token KL(p_θ ‖ p_ref) of each response by the plain engine (one forward per sequence, then one
+    with the adapter disabled): [B, R] padded with 0, and the [B, R] mask of response tokens."""
+    engine, bb.engine = bb.engine, "plain"
+    try:
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        (p,) = rm.training_passes(bb, seqs, [len(r) for r in responses], kl=True, budget=None,
+                                  units=[list(range(len(seqs)))])
+    finally:
+        bb.engine = engine
+    return p.kl, p.mask
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -169,20 +184,20 @@ def test_sequence_logprobs_matches_one_sequence_at_a_time(tiny):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in rm.trainable_parameters(tiny.model))
 
 
-def test_response_kl_is_zero_for_a_fresh_adapter_and_positive_after_training(tiny):
+def test_the_kl_of_a_pass_is_zero_for_a_fresh_adapter_and_positive_after_training(tiny):
     add_lora(tiny)                                                    # LoRA B starts at 0: p_θ = p_ref
     prompts, responses = [[1, 50, 60], [1, 70]], [[80, 81], [90, 91, 92]]
-    out = response_kl(tiny, prompts, responses)
-    assert torch.allclose(out.kl, torch.zeros_like(out.kl), atol=1e-6)
+    kl, mask = plain_kl(tiny, prompts, responses)
+    assert torch.allclose(kl, torch.zeros_like(kl), atol=1e-6)
     perturb_lora(tiny, seed=2)
-    out = response_kl(tiny, prompts, responses)
-    assert (out.kl[out.mask] > 0).all() and (out.kl[~out.mask] == 0).all()
+    kl, mask = plain_kl(tiny, prompts, responses)
+    assert (kl[mask] > 0).all() and (kl[~mask] == 0).all()
     # the same numbers by hand from two full passes
     with torch.no_grad():
         cur = tiny.model(input_ids=torch.tensor([[1, 70, 90, 91, 92]])).logits[0, 1:4]
         with reference(tiny):
             ref = tiny.model(input_ids=torch.tensor([[1, 70, 90, 91, 92]])).logits[0, 1:4]
-    assert torch.allclose(out.kl[1], token_kl(torch.log_softmax(cur, -1), torch.log_softmax(ref, -1)), atol=1e-5)
+    assert torch.allclose(kl[1], token_kl(torch.log_softmax(cur, -1), torch.log_softmax(ref, -1)), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- LoRA and the reference
@@ -295,7 +310,7 @@ def test_static_and_none_modes_generate_nothing(tiny):
     ids = none.scoring_ids(CTX, None)
     assert ids[0] == rm.chat_prompt_ids(tiny.tokenizer, rm.score_only_messages(CTX[0]), add_generation_prompt=False)
     assert "criteria" not in tiny.tokenizer.decode(ids[1])
-    assert none.rubric_kl(CTX, none.generate_rubrics(CTX)).mask.sum() == 0
+    assert all(r.token_ids == [] for r in none.generate_rubrics(CTX))     # no rubric tokens: no KL term (Eq. 5)
     with pytest.raises(ValueError):
         static.score(CTX, None)
     with pytest.raises(ValueError, match="at least one criterion"):
@@ -320,44 +335,14 @@ def test_adaptive_rubrics_are_generated_and_scored(tiny):
     rubrics = mu.generate_rubrics(CTX, temperature=0.0, max_new_tokens=5)
     assert all(isinstance(r, Rubric) and len(r.criteria) == 3 and len(r.token_ids) == 5 for r in rubrics)
     assert mu.scoring_ids(CTX, rubrics)[0] == mu.prompt_ids(CTX[0]) + rubrics[0].token_ids
-    out = mu.rubric_kl(CTX, rubrics)
-    assert out.mask.sum() == 15 and torch.allclose(out.kl, torch.zeros_like(out.kl), atol=1e-6)
+    kl, mask = plain_kl(tiny, [mu.prompt_ids(c) for c in CTX], [r.token_ids for r in rubrics])
+    assert mask.sum() == 15 and torch.allclose(kl, torch.zeros_like(kl), atol=1e-6)      # fresh adapter: μ = μ_ref
     mu.train()
     scores = mu.score(CTX, rubrics)
     (scores.s.sum() - 1.0).pow(2).backward()                           # Eq. 5's decomposition term shape
     groups = mu.parameter_groups(lr=1e-5, head_lr=5e-4)
     assert all(p.grad is not None for p in groups[1]["params"])
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in groups[0]["params"])
-
-
-def test_shared_pass_equals_the_separate_passes(tiny):
-    """mu.forward: one decoder pass gives the same d_t (Eq. 2), rubric log-probs (Eq. 7) and
-    rubric-token KL (Eq. 5) as score(), rubric_logprobs() and rubric_kl() run one by one,
-    and its gradient reaches both the score head and the adapter."""
-    torch.manual_seed(3)
-    add_lora(tiny)
-    perturb_lora(tiny, seed=4, scale=0.05)                      # so the KL is not zero
-    tiny.model.eval()
-    mu = RubricModel(tiny, k=3, examples=1)
-    rubrics = [mu.rubric_from_criteria(["find a", "then b", "answer c"]),
-               mu.rubric_from_criteria(["one"]), mu.rubric_from_criteria(["x", "y"])]
-    with torch.no_grad():
-        scores, lp = mu.forward(CTX, rubrics, kl=True)
-        alone_d = mu.score(CTX, rubrics).d
-        alone_lp = mu.rubric_logprobs(CTX, rubrics)
-        alone_kl = mu.rubric_kl(CTX, rubrics)
-    assert torch.allclose(scores.d, alone_d, atol=1e-5) and torch.allclose(scores.s, alone_d.mean(-1), atol=1e-5)
-    assert torch.equal(lp.mask, alone_lp.mask)
-    assert torch.allclose(lp.logprobs, alone_lp.logprobs, atol=1e-4)
-    assert torch.allclose(lp.kl, alone_kl.kl, atol=1e-5) and float(lp.kl.sum()) > 1e-4
-    assert lp.logits is None                                    # not kept: [N, V] is large
-    scores, lp = mu.forward(CTX, rubrics)
-    (scores.s.sum() - lp.sums().sum() / 100).backward()
-    groups = mu.parameter_groups(lr=1e-5, head_lr=5e-4)
-    assert all(p.grad is not None for p in groups[1]["params"])
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in groups[0]["params"])
-    static = RubricModel(tiny, k=3, rubric_mode="static")
-    assert static.forward(CTX, static.generate_rubrics(CTX), kl=True)[1] is None
 
 
 def test_worked_examples_are_a_saved_setting(tiny, tmp_path):
@@ -515,7 +500,7 @@ def test_mu_sees_the_history_before_the_step_it_grades():
 # ----------------------------------------------------------------------------- shared beginnings, decoding
 def test_pack_by_hand():
     # [7, 8, 9] and [7, 8, 4, 5] share [7, 8]: packed 7 8 | 9 | 4 5, positions 0 1 | 2 | 2 3
-    p = rm.pack([[7, 8, 9], [7, 8, 4, 5]])
+    p = fast.pack([[7, 8, 9], [7, 8, 4, 5]])
     assert p.ids == [7, 8, 9, 4, 5] and p.positions == [0, 1, 2, 2, 3]
     assert p.paths == [[0, 1, 2], [0, 1, 3, 4]]
     assert p.allow.int().tolist() == [[1, 0, 0, 0, 0],
@@ -523,17 +508,17 @@ def test_pack_by_hand():
                                       [1, 1, 1, 0, 0],      # 9 sees 7 8 9
                                       [1, 1, 0, 1, 0],      # 4 sees 7 8 and itself, not 9
                                       [1, 1, 0, 1, 1]]
-    after = rm.pack([[7, 8, 9], [7, 8, 4, 5]], start=2)          # 7 8 held in a cache
+    after = fast.pack([[7, 8, 9], [7, 8, 4, 5]], start=2)          # 7 8 held in a cache
     assert after.ids == [9, 4, 5] and after.positions == [2, 2, 3] and after.paths == [[0], [1, 2]]
 
 
 def test_token_passes_fill_to_the_budget_and_split_only_what_is_too_long():
     seqs = [[1, 2, 3], [1, 2, 4], [5, 6, 7, 8], [9, 9, 9, 9, 9, 9]]
     # packed sizes: {0, 1} = 4 tokens, {0, 1, 2} = 8, {3} = 6
-    assert rm.token_passes(seqs, 5) == [[[0, 1]], [[2]], [[3]]]
-    assert rm.token_passes(seqs, 5, units=[[0, 1, 2], [3]]) == [[[0, 1], [2]], [[3]]]   # a unit over 5: split
-    assert rm.token_passes(seqs, 100, units=[[0, 1, 2], [3]]) == [[[0, 1, 2, 3]]]      # whole units share a pass
-    assert rm.token_passes(seqs, 13, units=[[0, 1, 2], [3]]) == [[[0, 1, 2]], [[3]]]   # ... while they fit
+    assert fast.token_passes(seqs, 5) == [[[0, 1]], [[2]], [[3]]]
+    assert fast.token_passes(seqs, 5, units=[[0, 1, 2], [3]]) == [[[0, 1], [2]], [[3]]]   # a unit over 5: split
+    assert fast.token_passes(seqs, 100, units=[[0, 1, 2], [3]]) == [[[0, 1, 2, 3]]]      # whole units share a pass
+    assert fast.token_passes(seqs, 13, units=[[0, 1, 2], [3]]) == [[[0, 1, 2]], [[3]]]   # ... while they fit
 
 
 def test_packed_pass_equals_one_pass_per_sequence(tiny):
@@ -545,19 +530,19 @@ def test_packed_pass_equals_one_pass_per_sequence(tiny):
     base = torch.randint(100, 1000, (12,), generator=g).tolist()
     seqs = [base + [5, 6, 7], base + [5, 8, 9, 10], base[:6] + [11, 12, 13, 14]]
     lens = [2, 3, 3]
-    root = rm.SharedPrefix(tiny, seqs, [r + 1 for r in lens])
+    root = fast.SharedPrefix(tiny, seqs, [r + 1 for r in lens])
     assert root.n == 6
-    ref = rm.reference_logq(tiny, seqs, lens)
+    ref = fast.reference_logq(tiny, seqs, lens)
     with torch.no_grad():
-        outs = rm.packed_steps(tiny, seqs, lens, root, ref)
+        outs = fast.packed_steps(tiny, seqs, lens, root, ref)
         for seq, r, out in zip(seqs, lens, outs):
             ids = torch.tensor([seq])
             h = tiny.model.get_decoder()(input_ids=ids).last_hidden_state[0]
             assert torch.allclose(out.hidden_sum, h.sum(0), atol=1e-4) and out.length == len(seq)
             lp = sequence_logprobs(tiny, [seq[:-r]], [seq[-r:]])
             assert torch.allclose(out.logprobs, lp.logprobs[0], atol=1e-5)
-            full = response_kl(tiny, [seq[:-r]], [seq[-r:]])
-            assert torch.allclose(out.kl, full.kl[0], atol=1e-6)
+            kl, _ = plain_kl(tiny, [seq[:-r]], [seq[-r:]])
+            assert torch.allclose(out.kl, kl[0], atol=1e-6)
 
 
 def transformers_generate(bb, prompts, max_new_tokens, temperature, batch_size):
@@ -569,7 +554,7 @@ def transformers_generate(bb, prompts, max_new_tokens, temperature, batch_size):
         if temperature else dict(do_sample=False)
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad, **knobs)
     out = {}
-    for batch in rm._length_batches([len(p) for p in prompts], batch_size):
+    for batch in rm.length_batches([len(p) for p in prompts], batch_size):
         width = max(len(prompts[i]) for i in batch)
         ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch])
         mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch])
@@ -623,16 +608,16 @@ def test_a_prompt_memo_gives_the_tokens_of_a_full_prefill(tiny, temperature):
     first = [[{"role": "user", "content": q}] for q in questions]
     second = [[{"role": "user", "content": q + f" Step 1: found {i}."}] for i, q in enumerate(questions)]
     calls = []
-    original = rm._rows_from_memo
-    rm._rows_from_memo = lambda bb, seqs, stored: calls.append([m for _, m in stored]) or original(bb, seqs, stored)
+    original = fast._rows_from_memo
+    fast._rows_from_memo = lambda bb, seqs, stored: calls.append([m for _, m in stored]) or original(bb, seqs, stored)
     try:
-        memo = rm.PromptMemo()
+        memo = fast.PromptMemo()
         torch.manual_seed(5)
         with_memo = [[g.token_ids for g in generate(lora, chats, 6, temperature, 3, memo=memo)] for chats in (first, second)]
         torch.manual_seed(5)
         without = [[g.token_ids for g in generate(lora, chats, 6, temperature, 3)] for chats in (first, second)]
     finally:
-        rm._rows_from_memo = original
+        fast._rows_from_memo = original
     assert with_memo == without
     prompt_lens = sorted(len(rm.chat_prompt_ids(lora.tokenizer, c)) for c in second)
     assert len(calls) == 2 and all(0 < m < n for call in calls for m, n in zip(sorted(call), prompt_lens))
@@ -656,7 +641,7 @@ def test_greedy_rubrics_come_with_the_scores_of_a_score_pass(tiny):
 def test_decoding_stops_where_the_reply_is_complete(tiny):
     """`close` ends a row (the end-of-turn token follows), as μ's rubric ends where its JSON list closes."""
     prompt = rm.chat_prompt_ids(tiny.tokenizer, [{"role": "user", "content": "hi"}])
-    (g, mean), = rm.decode(tiny, [prompt], 20, close=lambda ids: len(ids) >= 3, hidden=True)
+    (g, mean), = fast.decode(tiny, [prompt], 20, close=lambda ids: len(ids) >= 3, hidden=True)
     eot = tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert len(g.token_ids) == 4 and g.token_ids[-1] == eot
     with torch.no_grad():
@@ -684,14 +669,14 @@ def test_bf16_weights_decode_score_and_train(arch, request):
     add_lora(bb)
     perturb_lora(bb, seed=3, scale=0.1)
     lp = sequence_logprobs(bb, prompts, [[5, 6, 7], [8, 9], [10]])
-    full = response_kl(bb, prompts, [[5, 6, 7], [8, 9], [10]])
-    assert lp.logprobs.dtype == torch.float32 and torch.isfinite(lp.logprobs).all() and (full.kl >= -1e-4).all()
+    kl, _ = plain_kl(bb, prompts, [[5, 6, 7], [8, 9], [10]])
+    assert lp.logprobs.dtype == torch.float32 and torch.isfinite(lp.logprobs).all() and (kl >= -1e-4).all()
     lp.sums().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in rm.trainable_parameters(bb.model))
     seqs = [prompts[0] + [5, 6, 7], prompts[0] + [8, 9], prompts[1] + [10]]       # the training passes' engine
     lens = [3, 2, 1]
-    root = rm.SharedPrefix(bb, seqs, [r + 1 for r in lens])
-    outs = rm.packed_steps(bb, seqs, lens, root, rm.reference_logq(bb, seqs, lens))
+    root = fast.SharedPrefix(bb, seqs, [r + 1 for r in lens])
+    outs = fast.packed_steps(bb, seqs, lens, root, fast.reference_logq(bb, seqs, lens))
     with torch.no_grad():
         plain = sequence_logprobs(bb, [q[:-r] for q, r in zip(seqs, lens)], [q[-r:] for q, r in zip(seqs, lens)])
     assert torch.allclose(torch.cat([o.logprobs for o in outs]), plain.logprobs[plain.mask], atol=0.1)  # bf16 rounding
@@ -708,12 +693,12 @@ def test_unsupported_models_are_refused_at_load():
     """Sliding-window layers and attention backends the tree masks cannot use stop at load, with a message."""
     from types import SimpleNamespace as NS
     ok = NS(config=NS(_attn_implementation="sdpa", layer_types=["full_attention"] * 2, use_sliding_window=False))
-    rm.check_supported(ok, "ok")
+    fast.check_supported(ok, "ok")
     for config, words in [(NS(_attn_implementation="flash_attention_2"), "backend"),
                           (NS(_attn_implementation="sdpa", layer_types=["sliding_attention", "full_attention"]), "sliding"),
                           (NS(_attn_implementation="eager", use_sliding_window=True, sliding_window=4096), "sliding")]:
         with pytest.raises(rm.ModelLoadError, match=words):
-            rm.check_supported(NS(config=config), "m")
+            fast.check_supported(NS(config=config), "m")
 
 
 def test_a_hybrid_thinking_template_is_told_not_to_think(tiny_dir):

@@ -145,8 +145,10 @@ def test_rubric_sft_backward_is_the_same_on_both_engines(tiny_dir, tmp_path, ret
     for p in rm.trainable_parameters(mu.backbone.model):
         p.data.normal_(0, 0.05)
     params = [p for g in mu.parameter_groups(1.0, 1.0) for p in g["params"]]
-    loss = warmup.rubric_sft_backward(mu, items, 10.0, len(items), reduction, engine="plain")
+    mu.backbone.engine = "plain"                 # the engine is the backbone's (--engine at load)
+    loss = warmup.rubric_sft_backward(mu, items, 10.0, len(items), reduction)
     want = [p.grad.clone() for p in params]
+    mu.backbone.engine = "fast"
     for micro in (1, 2, 5):
         for p in params:
             p.grad = None
