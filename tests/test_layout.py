@@ -145,6 +145,10 @@ def reading_path_lines() -> dict:
 def test_the_reading_path_is_at_most_1200_lines_and_never_enters_fast_py():
     counts = reading_path_lines()
     assert sum(counts.values()) <= 1200, counts
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Reading path"):readme.index("## Paper → code")]
+    named = {name.split(".")[-1] for _, name in READING_PATH if name}
+    assert {n for n in named if f"`{n}`" not in section and f".{n}`" not in section} == set()   # the README's list
     assert not {name for module, name in READING_PATH if module == "fast"}
     assert not {name for _, name in READING_PATH} & FAST                    # nor a name of its machinery
 
