@@ -972,7 +972,7 @@ def credit_stats(trajs, s, A, info) -> dict:
         counts: dict = {}
         for t, b_t in zip(trajs, info["buckets"]):
             for st, b in zip(t.steps, b_t):
-                if b is not None and (st.valid or b == TERMINAL):
+                if b is not None and st.valid:            # Eq. 4's I_b: valid steps, as bucketed_advantages
                     counts[b] = counts.get(b, 0) + 1
         singletons = [{"bucket": b, "action": st.action, "A": a} for t, b_t, a_t in zip(trajs, info["buckets"], A)
                       for st, b, a in zip(t.steps, b_t, a_t) if b is not None and st.valid and counts[b] == 1]
@@ -990,7 +990,8 @@ def fork(run_dir: Path, checkpoint: Path, args: Args) -> Path:
                  f"runs/<dataset>/<run>/checkpoints/epoch_K")
     if uses_mu(args) and not (checkpoint / "mu" / "config.json").is_file():
         sys.exit(f"error: --fork-from {checkpoint} holds no μ, and this run (ARCO) needs one: fork from an ARCO run")
-    if uses_mu(args) and RubricModel.load(checkpoint / "mu", "cpu", engine=args.engine).rubric_mode != args.rubric:
+    mu_config = (checkpoint / "mu" / "config.json")       # read, not loaded: resume_from loads μ itself
+    if uses_mu(args) and json.loads(mu_config.read_text())["rubric_model"]["rubric_mode"] != args.rubric:
         sys.exit(f"error: the μ in {checkpoint} is not a --rubric {args.rubric} μ: fork from a run of that μ")
     if dp.main:
         shutil.copyfile(parent / "metrics.jsonl", run_dir / "metrics.jsonl")
