@@ -42,6 +42,7 @@ reports, the memory estimate). `--engine plain`: one forward per sequence, a pla
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -61,7 +62,7 @@ import torch.distributed as dist
 
 import env
 import warmup
-from evaluate import UsageError, main_guard, parse_args
+from evaluate import MEMORY, UsageError, main_guard, parse_args
 from rubric_model import (HUB_SHAPES, ModelLoadError, RubricModel, add_lora, check_intact, check_model_available,
                           contexts_from_trajectory, damaged, load_backbone_checkpoint, merge_lora, model_shape,
                           policy_act, policy_sequences, reduce_tokens, resolve_device, resolve_dtype, save_backbone,
@@ -402,25 +403,21 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, phase: dict, ar
     """One iteration of Algorithm 1 (lines 5–38) on one batch, in the epoch's `phase` (an epoch_plan
     entry: sparse or dense, λ_π); appends its metrics and traces."""
     row: dict = {"kind": "update", "epoch": epoch, "batch": b, "dense": phase["dense"]}
-    t0 = time.time()
     group = [ex for ex in batch for _ in range(phase["samples"])]           # B: G samples per question if sparse
-    trajs = sample_trajectories(pi, group, epoch, b, args, retriever)                        # lines 6–14
-    row["seconds_rollout"] = time.time() - t0
+    with timed(row, "rollout"):                  # plumbing: row["seconds_rollout"], the phase's memory
+        trajs = sample_trajectories(pi, group, epoch, b, args, retriever)                    # lines 6–14
     contexts = rubrics = d = s = None
     if mu is not None:
-        t0 = time.time()
-        contexts, rubrics, d, s = annotate(mu, trajs, args)                                      # lines 15–19
-        row["seconds_mu_annotate"] = time.time() - t0
+        with timed(row, "mu_annotate"):
+            contexts, rubrics, d, s = annotate(mu, trajs, args)                                  # lines 15–19
     if args.credit != "mu":                      # an analysis arm: ground-truth step scores in place of μ's
         s = torch.tensor([x for t in trajs for x in env.ground_truth_scores(t, args.credit)])
     A, info = advantages(trajs, s, phase["dense"], args)                                          # lines 26–32
-    t0 = time.time()
-    row.update(policy_update(pi, opt_pi, trajs, A, args, phase["kl_pi"]))                          # lines 33–35
-    row["seconds_pi_update"] = time.time() - t0
+    with timed(row, "pi_update"):
+        row.update(policy_update(pi, opt_pi, trajs, A, args, phase["kl_pi"]))                      # lines 33–35
     if mu is not None:
-        t0 = time.time()
-        row.update(rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))                      # lines 36–38
-        row["seconds_mu_update"] = time.time() - t0
+        with timed(row, "mu_update"):
+            row.update(rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))                  # lines 36–38
     steps = [st for t in trajs for st in t.steps]
     row.update(trajectories=len(trajs), questions=len(batch), mean_R=sum(t.reward for t in trajs) / len(trajs),
                invalid_rate=sum(not st.valid for st in steps) / len(steps),
@@ -633,8 +630,9 @@ def evaluate_policy(pi, examples, args: Args, retriever) -> tuple[dict, list]:
     """Greedy dev evaluation (env.evaluate): EM, F1, searches, invalid-step rate. Under torchrun each rank
     evaluates its share of the questions; the numbers are those of all of them."""
     act = policy_act(pi, 0.0, args.max_new_tokens_pi, args.gen_batch)
-    trajs = dp.gather(env.rollout(examples[dp.share(len(examples))], act, retriever, args.max_searches,
-                                  args.obs_chars, progress=True))
+    with MEMORY.phase("dev evaluation"):
+        trajs = dp.gather(env.rollout(examples[dp.share(len(examples))], act, retriever, args.max_searches,
+                                      args.obs_chars, progress=True))
     return env.dev_metrics(trajs), trajs
 
 
@@ -783,6 +781,15 @@ def trace_rows(trajs, epoch: int, batch: int, rubrics=None, d=None, s=None, A=No
                 st["A"] = round(A[i][j], 4)
         rows.append(row)
     return rows
+
+
+@contextlib.contextmanager
+def timed(row: dict, key: str):
+    """row["seconds_<key>"], and the phase's resident memory in the run's memory profile (evaluate.MEMORY)."""
+    t0 = time.time()
+    with MEMORY.phase(key):
+        yield
+    row[f"seconds_{key}"] = time.time() - t0
 
 
 def peak_rss_gib() -> float:
@@ -1123,6 +1130,7 @@ def write_report(run_dir: Path, history: list[dict], args: Args) -> None:
     """report.md: the results per epoch, the selected checkpoint, and a few trajectories with rubrics."""
     if not dp.main:
         return
+    env.write_json(run_dir / "memory.json", MEMORY.rows())      # the resident memory by phase (RESULTS)
     sel = select_checkpoint(history, args.sparse_epochs)
     lines = [f"# ARCO run `{run_dir.name}` on {args.dataset}", "",
              f"preset `{args.preset}`, reward `{args.reward}`, rubric `{args.rubric}`, K = {args.k}, "

@@ -72,6 +72,7 @@ def _growing_layer_class():
 
     class _GrowingLayer(DynamicLayer):
         def update(self, key_states, value_states, *args, **kwargs):
+            key_states = as_values(key_states, value_states)   # see kv_rows: exact, and a third less memory
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             n, m = self.get_seq_length(), key_states.shape[-2]
@@ -360,6 +361,18 @@ class PromptMemo:
         self.entries, self.fresh = self.fresh, []
 
 
+def kv_rows(layers: list) -> list:
+    """One prompt's keys/values, kept (memo, decoding cache) with the keys in the values' dtype. Under bf16
+    autocast RoPE's float32 cos/sin promote the keys to float32 while the values stay bf16, and attention
+    (SDPA or matmul, both on autocast's bf16 list) casts the keys to bf16 at every call: keeping them in
+    bf16 gives the same numbers and a third less memory (RESULTS, "memory"). Elsewhere both share a dtype."""
+    return [(as_values(k, v), v) for k, v in layers]
+
+
+def as_values(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return keys.to(values.dtype)
+
+
 def _rows_packed(bb: Backbone, seqs: Sequence[Sequence[int]]) -> tuple[list, list, list]:
     """Each prompt's keys/values ([heads, len, head_dim] per layer), the sum of its last hidden states and
     the hidden state of its last token: the common prefix once (SharedPrefix), the rest packed so that
@@ -382,8 +395,8 @@ def _rows_packed(bb: Backbone, seqs: Sequence[Sequence[int]]) -> tuple[list, lis
             path = torch.tensor(packed.paths[j], device=dev)
             sums[i] = h[path].sum(0) + (root.hidden_sum if n else 0.0)
             last[i] = h[path[-1]]
-            rows_kv[i] = [tuple(torch.cat([part[0, :, :n], part[0, :, n:][:, path]], 1)
-                                for part in (layer.keys, layer.values)) for layer in res.cache.layers]
+            rows_kv[i] = kv_rows([tuple(torch.cat([part[0, :, :n], part[0, :, n:][:, path]], 1)
+                                        for part in (layer.keys, layer.values)) for layer in res.cache.layers])
     return rows_kv, sums, last
 
 
@@ -403,8 +416,8 @@ def _rows_from_memo(bb: Backbone, seqs: Sequence[Sequence[int]], stored: Sequenc
                                      attention_mask=torch.tensor(mask, device=dev), cache=_cache(bb, cache),
                                      position_ids=torch.tensor([list(range(m, m + new)) for m in n], device=dev))
     h = res.last_hidden_state.float()
-    rows_kv = [[tuple(torch.cat([part[i, :, :m], part[i, :, width:width + len(s) - m]], 1)
-                      for part in (layer.keys, layer.values)) for layer in res.cache.layers]
+    rows_kv = [kv_rows([tuple(torch.cat([part[i, :, :m], part[i, :, width:width + len(s) - m]], 1)
+                              for part in (layer.keys, layer.values)) for layer in res.cache.layers])
                for i, (s, m) in enumerate(zip(seqs, n))]
     return rows_kv, [h[i, len(s) - m - 1] for i, (s, m) in enumerate(zip(seqs, n))]
 

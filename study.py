@@ -61,6 +61,8 @@ LADDER = {
     "policy-check-ownhead": dict(mu_data="policy", criteria="check", head_fit="own"),
     "policy-bal": dict(mu_data="policy", balance_finishes=True),            # right/wrong finishes weigh alike
     "policy-check-ownhead-bal": dict(mu_data="policy", criteria="check", head_fit="own", balance_finishes=True),
+    "policy-q100": dict(mu_data="policy", sft_questions_mu=100),           # every warmup question's rollouts
+    "policy-q100-n4": dict(mu_data="policy", sft_questions_mu=100, policy_samples=4),
     "policy-q100-check-ownhead": dict(mu_data="policy", sft_questions_mu=100, criteria="check", head_fit="own"),
     "policy-q100-n4-check-ownhead": dict(mu_data="policy", sft_questions_mu=100, policy_samples=4, criteria="check",
                                          head_fit="own"),

@@ -50,7 +50,7 @@ import torch
 
 import env
 import fast  # registers --engine fast
-from evaluate import auc_by_step_type, main_guard, normalize_answer, parse_args
+from evaluate import MEMORY, auc_by_step_type, main_guard, normalize_answer, parse_args
 from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, ModelSettings, RubricModel, StepContext, add_lora,
                           chat_prompt_ids, check_model_available, contexts_from_trajectory, encode_response,
                           load_backbone, load_backbone_checkpoint, merge_lora, policy_act, save_backbone,
@@ -1531,16 +1531,18 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     else:
         pi = load_backbone(args.model, device=args.device, dtype=args.dtype, autocast=args.autocast, engine=args.engine)
         def dev_eval(policy):
-            return env.evaluate(dev, policy_act(policy, 0.0, args.max_new_tokens_pi, args.gen_batch), retriever,
-                                obs_chars=args.obs_chars)                   # greedy
+            with MEMORY.phase("dev evaluation"):
+                return env.evaluate(dev, policy_act(policy, 0.0, args.max_new_tokens_pi, args.gen_batch), retriever,
+                                    obs_chars=args.obs_chars)               # greedy
         if old.get("base_settings") != settings:            # kept at once: a resumed warmup does not redo it
             print(f"[warmup] evaluating the base policy ({args.model}) on {len(dev)} dev questions", flush=True)
             metrics["base"], _ = dev_eval(pi)
             metrics["base_settings"] = settings
             env.write_json(out_dir / "metrics.json", metrics)
         torch.manual_seed(args.seed)            # π's LoRA initialization and dropout: a warmup repeats exactly
-        sft = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi, args.sft_batch_pi, args.seed,
-                               args.progress, args.micro_batch, args.weight_decay, dev_eval)
+        with MEMORY.phase("π SFT"):
+            sft = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi, args.sft_batch_pi, args.seed,
+                                   args.progress, args.micro_batch, args.weight_decay, dev_eval)
         metrics["pi_sft_loss_per_epoch"] = sft["losses"]
         metrics["pi_sft_dev_em_per_epoch"] = [e["em"] for e in sft["evals"]]
         metrics["pi_sft_epoch"] = sft["best"]["epoch"]
@@ -1576,14 +1578,16 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     finishes = [it for it in mu_items if it["action"].startswith("Finish[")]
     m.update(sft_items=len(mu_items), sft_finishes=len(finishes), sft_right_finishes=sum(map(right_finish, finishes)))
     m["mu_sft_terms_before"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
-    m["mu_sft_loss_per_epoch"] = train_rubric_sft(mu, mu_items, args.sft_epochs_mu, args.sft_lr_mu,
-                                                  args.sft_head_lr, args.score_weight, args.sft_batch_mu,
-                                                  args.seed, args.progress, args.micro_batch, args.weight_decay,
-                                                  args.token_reduction)
+    with MEMORY.phase("μ SFT"):
+        m["mu_sft_loss_per_epoch"] = train_rubric_sft(mu, mu_items, args.sft_epochs_mu, args.sft_lr_mu,
+                                                      args.sft_head_lr, args.score_weight, args.sft_batch_mu,
+                                                      args.seed, args.progress, args.micro_batch, args.weight_decay,
+                                                      args.token_reduction)
     if args.sft_head_steps:
-        m["mu_head_fit_error"] = fit_score_head(mu, mu_items, args.sft_head_steps, args.sft_head_lr,
-                                                own=args.head_fit == "own", max_new_tokens=args.max_new_tokens_mu,
-                                                gen_batch=args.gen_batch)
+        with MEMORY.phase("score-head fit"):
+            m["mu_head_fit_error"] = fit_score_head(mu, mu_items, args.sft_head_steps, args.sft_head_lr,
+                                                    own=args.head_fit == "own", max_new_tokens=args.max_new_tokens_mu,
+                                                    gen_batch=args.gen_batch)
     m["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
     write_atomically(out_dir / name, mu.save)                                 # a kill leaves none
     # metrics.json read again before writing: another warmup of the folder (a μ variant trained beside this one)
@@ -1740,7 +1744,9 @@ def run(args: Args) -> Path:
                                             "pooling": args.retriever_pooling})
     ks = collection_suffix(args.k)
     try:
-        run_counts = collect(examples, teacher, retriever, out_dir, args.warmup_samples, args.k, args.tol, args.progress)
+        with MEMORY.phase("warmup collection"):
+            run_counts = collect(examples, teacher, retriever, out_dir, args.warmup_samples, args.k, args.tol,
+                                 args.progress)
     except KeyboardInterrupt:
         sys.exit(f"interrupted: every finished record is in {out_dir / f'records{ks}.jsonl'}; "
                  f"rerun the same command to resume")

@@ -1,6 +1,7 @@
 """arco.py: the policy update against a hand computation on a tiny model, and Algorithm 1 end to
 end (warmup → sparse epoch → dense epoch → evaluation → report), with --resume after a kill."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -274,6 +275,12 @@ def test_whole_loop_leaves_a_readable_run(tiny_run):
     assert sel["selected_epoch"] == 2                           # the only post-transition epoch
     report = (run / "report.md").read_text()
     assert "| 0 | SFT only |" in report and "| 2 | dense |" in report and "Selected" in report
+    if os.path.exists("/proc/self/statm"):                    # the resident memory by phase (RESULTS' profile)
+        memory = {r["phase"]: r for r in json.loads((run / "memory.json").read_text())}
+        assert {"rollout", "mu_annotate", "pi_update", "mu_update", "dev evaluation"} <= memory.keys()
+        assert all(0 < r["end_gib"] <= r["peak_gib"] + 0.05 and r["runs"] >= 1 for r in memory.values()
+                   if r["phase"] != "other"), memory
+        assert memory["pi_update"]["runs"] >= 3 and memory["mu_update"]["runs"] >= 3     # (one process: all runs)
 
 
 def numbers(rows):

@@ -216,3 +216,26 @@ def test_a_plain_run_never_uses_fast_and_resumes_to_the_same_numbers(tiny_dir, t
     arco.main(tiny_args(tiny_dir, tmp_path, name="killed", warmup_dir=warm, resume=True, **argv))
     assert numbers(read_jsonl(tmp_path / "synthetic" / "killed" / "metrics.jsonl")) == numbers(rows)
 
+
+
+def test_decoding_keeps_keys_in_the_values_dtype_with_the_same_numbers(tiny_any_dir, monkeypatch):
+    """Under bf16 autocast RoPE leaves the keys in float32 and the values in bf16; the fast engine keeps the
+    keys in bf16 too (fast.kv_rows, the growing cache), a third less memory for the memo and the decoding
+    cache (RESULTS, "memory"). Attention casts them to bf16 anyway, so the rollouts' tokens and μ's
+    scores are exactly those with float32 keys (fast.as_values switched off), and the memo holds bf16 keys."""
+    bb = perturbed(tiny_any_dir, 3)
+    bb.autocast_dtype = torch.bfloat16
+    examples = env.synthetic_examples(3, split="dev")
+    contexts = [c for t in rollouts(bb, examples, 0.0)[0] for c in rm.contexts_from_trajectory(t)]
+
+    def memo_after_a_rollout():
+        policy = rm.policy_act(bb, 0.0, 12, 2)
+        env.rollout(examples, policy, TitleRetriever())
+        return next(c.cell_contents for c in policy.__closure__ if isinstance(c.cell_contents, fast.PromptMemo))
+    (_, ids), (_, d), memo = rollouts(bb, examples, 0.0), greedy_rubrics(bb, contexts), memo_after_a_rollout()
+    assert memo.entries and all(k.dtype == v.dtype == torch.bfloat16 for _, kv in memo.entries for k, v in kv)
+    monkeypatch.setattr(fast, "as_values", lambda keys, values: keys)
+    (_, ids_f32), (_, d_f32), memo = rollouts(bb, examples, 0.0), greedy_rubrics(bb, contexts), memo_after_a_rollout()
+    assert any(k.dtype == torch.float32 for _, kv in memo.entries for k, _ in kv)     # the premise
+    assert ids == ids_f32 and sum(map(len, ids)) >= 3
+    assert torch.equal(d, d_f32)
