@@ -21,6 +21,7 @@ machine (tests/test_rubric_model.py, tests/test_engines.py): equal up to floatin
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -332,33 +333,48 @@ class PromptMemo:
     computes each token of a history once instead of once per round: the next prefill runs only what
     follows the longest stored beginning (exact up to floating-point rounding, tested). It holds the
     latest call's prompts only, at most `max_tokens` tokens, and forgets them when the adapter's
-    parameters change (an optimizer step): stored keys/values belong to one set of weights."""
+    parameters change (an optimizer step): stored keys/values belong to one set of weights. Each stored
+    prompt is let go as soon as the last of the call's prompts that start with it has been prefilled (a
+    rollout's round reads each of the previous round's prompts once), so the previous round's memo shrinks
+    while this round's grows instead of both being held to the end of the call (RESULTS, "memory")."""
 
     def __init__(self, max_tokens: int = 32768):
-        self.max_tokens, self.entries, self.fresh, self.weights = max_tokens, [], [], None
+        self.max_tokens, self.entries, self.fresh, self.weights, self.plan = max_tokens, [], [], None, {}
 
-    def begin(self, bb: Backbone) -> None:
+    def begin(self, bb: Backbone, prompts: Sequence[Sequence[int]]) -> None:
         weights = (id(bb.model), tuple(p._version for p in trainable_parameters(bb.model)))
         if weights != self.weights:
             self.entries, self.weights = [], weights
         self.fresh = []
+        self.plan = {tuple(s): self._longest(s) for s in prompts}       # each prompt's stored beginning
+        self.readers = Counter(self.plan[tuple(s)][0] for s in prompts)   # how many prompts read each entry
+
+    def _longest(self, seq: Sequence[int]) -> tuple[int | None, int]:
+        best, n = None, 0
+        for i, (ids, _) in enumerate(self.entries):
+            m = common_prefix_length([ids, seq], min(len(ids), len(seq) - 1))
+            if m > n:
+                best, n = i, m
+        return best, n
 
     def longest(self, seq: Sequence[int]) -> tuple[list, int]:
         """The stored keys/values that share the longest beginning with `seq`, and its length (at most
         len(seq) − 1: the last prompt token is always run, its hidden state picks the first reply token)."""
-        best, n = [], 0
-        for ids, kv in self.entries:
-            m = common_prefix_length([ids, seq], min(len(ids), len(seq) - 1))
-            if m > n:
-                best, n = kv, m
-        return best, n
+        i, n = self.plan.get(tuple(seq)) or self._longest(seq)
+        if i is None:
+            return [], 0
+        kv = self.entries[i][1]
+        self.readers[i] -= 1
+        if self.readers[i] <= 0:                 # its last reader: the stored keys/values are let go
+            self.entries[i] = (self.entries[i][0], None)
+        return kv, n
 
     def store(self, seq: Sequence[int], kv: list) -> None:
         if sum(len(ids) for ids, _ in self.fresh) + len(seq) <= self.max_tokens:
             self.fresh.append((list(seq), kv))
 
     def end(self) -> None:
-        self.entries, self.fresh = self.fresh, []
+        self.entries, self.fresh, self.plan = self.fresh, [], {}
 
 
 def kv_rows(layers: list) -> list:
@@ -476,7 +492,7 @@ def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     decoder = bb.model.get_decoder()
     dev = bb.device
     if memo is not None:
-        memo.begin(bb)
+        memo.begin(bb, prompts)
     try:
         for batch in length_batches([len(p) for p in prompts], batch_size):
             seqs = [list(prompts[i]) for i in batch]

@@ -279,7 +279,7 @@ def test_whole_loop_leaves_a_readable_run(tiny_run):
         memory = {r["phase"]: r for r in json.loads((run / "memory.json").read_text())}
         assert {"rollout", "mu_annotate", "pi_update", "mu_update", "dev evaluation"} <= memory.keys()
         assert all(0 < r["end_gib"] <= r["peak_gib"] + 0.05 and r["runs"] >= 1 for r in memory.values()
-                   if r["phase"] != "other"), memory
+                   if r["phase"] != "between phases"), memory
         assert memory["pi_update"]["runs"] >= 3 and memory["mu_update"]["runs"] >= 3     # (one process: all runs)
 
 
