@@ -63,10 +63,10 @@ import torch.distributed as dist
 import env
 import warmup
 from evaluate import MEMORY, UsageError, main_guard, parse_args
-from rubric_model import (HUB_SHAPES, ModelLoadError, RubricModel, add_lora, check_intact, check_model_available,
+from rubric_model import (ENGINES, HUB_SHAPES, ModelLoadError, RubricModel, add_lora, check_intact, check_model_available,
                           contexts_from_trajectory, damaged, load_backbone_checkpoint, merge_lora, model_shape,
-                          policy_act, policy_sequences, reduce_tokens, resolve_device, resolve_dtype, save_backbone,
-                          trainable_parameters, training_passes, write_atomically, write_manifest)
+                          policy_act, policy_sequences, reduce_tokens, resolve_autocast, resolve_device, resolve_dtype,
+                          save_backbone, trainable_parameters, training_passes, write_atomically, write_manifest)
 from warmup import dev_rank, fill_from_preset, from_preset, mu_dir_name, preset_table
 
 
@@ -1259,6 +1259,11 @@ def memory_estimate(args: Args) -> dict:
         shapes.pop("μ")
     obs = args.obs_chars / 4 if args.obs_chars else 200
     context = 350 + (args.max_searches or 3) * (obs + 30) + args.max_new_tokens_pi
+    # π's decoding keeps its keys/values in the autocast dtype (fast.kv_rows), and the fast engine's memo holds
+    # the previous round's prompts, up to its token cap, beside the batch being decoded (π only; μ has none)
+    kv_b = torch.finfo(torch.bfloat16).bits // 8 if resolve_autocast(args.autocast, device, dtype) else b
+    memo = ENGINES[args.engine].memo()
+    memo_tokens = min(memo.max_tokens, max(args.eval_size, args.batch_size) * context) if memo is not None else 0
     rows = {"weights": 0.0, "lora + AdamW": 0.0, "rollout KV cache": 0.0, "training pass": 0.0}
     for who, c in shapes.items():
         lora = c["num_hidden_layers"] * 8 * 2 * c["hidden_size"] * 2   # r 8 on q and v: A and B, ≈ 2 × 8 × (h + h)
@@ -1266,7 +1271,9 @@ def memory_estimate(args: Args) -> dict:
         rows["lora + AdamW"] += lora * 16 + (c["hidden_size"] * 256 * 16 if who == "μ" else 0)  # fp32 w, grad, 2 moments
         per = _token_bytes(c, b)
         new = args.max_new_tokens_pi if who == "π" else args.max_new_tokens_mu
-        rows["rollout KV cache"] = max(rows["rollout KV cache"], args.gen_batch * (context + new) * per["kv"])
+        kv = _token_bytes(c, kv_b)["kv"]
+        rows["rollout KV cache"] = max(rows["rollout KV cache"],
+                                       (args.gen_batch * (context + new) + (memo_tokens if who == "π" else 0)) * kv)
         # LM-head rows of one pass (log-probs, KL): a packed row holds each step's new tokens only (its
         # observation and action, then its reply), the shared history once, so replies fill a good part of it
         response = args.pass_tokens * new / (new + obs + 30)
