@@ -239,3 +239,22 @@ def test_decoding_keeps_keys_in_the_values_dtype_with_the_same_numbers(tiny_any_
     assert any(k.dtype == torch.float32 for _, kv in memo.entries for k, _ in kv)     # the premise
     assert ids == ids_f32 and sum(map(len, ids)) >= 3
     assert torch.equal(d, d_f32)
+
+
+def test_the_memo_lets_a_stored_prompt_go_after_its_last_reader(tiny_dir):
+    """fast.PromptMemo: each stored prompt's keys/values are let go as soon as the last prompt of the call that
+    starts with it has been prefilled, so the previous round's memo shrinks while this round's grows (RESULTS,
+    "memory"); which entry a prompt reads is the longest stored beginning, as before."""
+    bb = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
+    memo = fast.PromptMemo()
+    memo.begin(bb, [])
+    kv_a, kv_b = [(torch.ones(1), torch.ones(1))], [(torch.zeros(1), torch.zeros(1))]
+    memo.store([1, 2, 3], kv_a)
+    memo.store([1, 2, 4, 5], kv_b)
+    memo.end()
+    a, b1, b2, other = [1, 2, 3, 9], [1, 2, 4, 5, 6], [1, 2, 4, 5, 7, 8], [7, 7]
+    memo.begin(bb, [a, b1, b2, other])
+    assert memo.longest(a) == (kv_a, 3) and memo.entries[0][1] is None       # its only reader: let go
+    assert memo.longest(b1) == (kv_b, 4) and memo.entries[1][1] is kv_b      # b2 still reads it
+    assert memo.longest(other) == ([], 0)
+    assert memo.longest(b2) == (kv_b, 4) and memo.entries[1][1] is None
