@@ -623,7 +623,7 @@ def test_a_prompt_memo_gives_the_tokens_of_a_full_prefill(tiny, temperature):
     assert len(calls) == 2 and all(0 < m < n for call in calls for m, n in zip(sorted(call), prompt_lens))
     assert len(memo.entries) == len(second)
     perturb_lora(lora, 4)
-    memo.begin(lora)
+    memo.begin(lora, [])
     assert memo.entries == []
 
 
