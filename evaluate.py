@@ -171,8 +171,11 @@ class PhaseMemory:
 
     def _charge(self) -> None:
         rss = self.rss_gib()
-        st = self.stats.setdefault(self.stack[-1], {"peak_gib": 0.0, "end_gib": 0.0, "seconds": 0.0, "runs": 0})
+        st = self._stats(self.stack[-1])
         st["peak_gib"] = max(st["peak_gib"], rss)
+
+    def _stats(self, name: str) -> dict:
+        return self.stats.setdefault(name, {"peak_gib": 0.0, "end_gib": 0.0, "seconds": 0.0, "runs": 0})
 
     def _sample(self) -> None:
         import time
@@ -198,7 +201,7 @@ class PhaseMemory:
             finally:
                 self._charge()
                 release_memory()         # what the phase freed goes back to the OS before the next one starts
-                st = self.stats.setdefault(name, {"peak_gib": 0.0, "end_gib": 0.0, "seconds": 0.0, "runs": 0})
+                st = self._stats(name)
                 st["end_gib"], st["seconds"], st["runs"] = self.rss_gib(), st["seconds"] + time.time() - t0, st["runs"] + 1
                 self.stack.pop()
         return opened()

@@ -339,7 +339,8 @@ class PromptMemo:
     while this round's grows instead of both being held to the end of the call (RESULTS, "memory")."""
 
     def __init__(self, max_tokens: int = 32768):
-        self.max_tokens, self.entries, self.fresh, self.weights, self.plan = max_tokens, [], [], None, {}
+        self.max_tokens, self.entries, self.fresh, self.weights = max_tokens, [], [], None
+        self.plan, self.readers = {}, Counter()      # this call's prompts → (entry, length); readers per entry
 
     def begin(self, bb: Backbone, prompts: Sequence[Sequence[int]]) -> None:
         weights = (id(bb.model), tuple(p._version for p in trainable_parameters(bb.model)))
@@ -374,7 +375,7 @@ class PromptMemo:
             self.fresh.append((list(seq), kv))
 
     def end(self) -> None:
-        self.entries, self.fresh, self.plan = self.fresh, [], {}
+        self.entries, self.fresh, self.plan, self.readers = self.fresh, [], {}, Counter()
 
 
 def kv_rows(layers: list) -> list:
