@@ -214,6 +214,7 @@ MEMORY = PhaseMemory()
 
 
 MMAP_THRESHOLD = 4 * 2 ** 20
+ONEDNN_KERNELS = 32
 
 
 def steady_heap() -> None:
@@ -221,7 +222,13 @@ def steady_heap() -> None:
     glibc's default raises this threshold after every freed block up to 32 MiB, so decoding's caches came
     from its heap, and the heap stayed at every round's high-water mark (RESULTS, "memory": a 100-question
     evaluation 5.6 → 4.7 GiB; π SFT and decoding take the same time, within 5%, measured alternately).
-    Every script's main sets it (main_guard); a no-op where glibc's mallopt is not there."""
+    Every script's main sets it (main_guard); a no-op where glibc's mallopt is not there.
+
+    And oneDNN, which runs bf16 matmuls on CPU, keeps the last 1024 kernels it compiled, one per matrix shape
+    and about 0.8 MiB each: every new token count compiles new ones, so the autocast path held about 0.8 GiB
+    of them (issue 43). ONEDNN_KERNELS keep a decoding step's and a pass's shapes, at the same speed
+    (measured); set before the first bf16 matmul, and a user's ONEDNN_PRIMITIVE_CACHE_CAPACITY wins."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_KERNELS))
     import ctypes
     try:
         ctypes.CDLL(None).mallopt(-3, MMAP_THRESHOLD)          # M_MMAP_THRESHOLD (malloc.h)

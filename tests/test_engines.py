@@ -241,6 +241,60 @@ def test_decoding_keeps_keys_in_the_values_dtype_with_the_same_numbers(tiny_any_
     assert torch.equal(d, d_f32)
 
 
+def test_autocast_runs_on_bf16_copies_of_the_frozen_weights_with_the_same_numbers(tiny_any_dir, monkeypatch):
+    """Backbone.autocast swaps each frozen linear weight for a bf16 copy made once, instead of autocast's cast at
+    every call (issue 43: a third of a decoding step, a copy per pass kept for backward). The same rounding, so
+    one iteration of Algorithm 1 under bf16 autocast (rollouts, μ's rubrics and s_t, both updates' losses and
+    gradients) is bit for bit what it is with the swap switched off; outside the context every weight is float32
+    again (the tied embedding included), and merge_lora's new weights get new copies."""
+    def one_iteration():
+        pi, mu_bb = perturbed(tiny_any_dir, 1), perturbed(tiny_any_dir, 2)
+        for bb in (pi, mu_bb):
+            bb.autocast_dtype = torch.bfloat16
+        torch.manual_seed(3)
+        mu = rm.RubricModel(mu_bb, k=3, examples=0)
+        examples = env.synthetic_examples(3, split="dev")
+        trajs, ids = rollouts(pi, examples, 0.0)
+        args = arco.resolve_args(arco.Args(token_reduction="mean", kl_mu=0.05, pass_tokens=200))
+        contexts, rubrics, d, s = arco.annotate(mu, trajs, args)
+        A, _ = arco.advantages(trajs, s, True, args)
+        opt_pi = torch.optim.SGD(rm.trainable_parameters(pi.model), lr=0.0)
+        policy = arco.policy_update(pi, opt_pi, trajs, A, args, 0.05)
+        opt_mu = torch.optim.SGD(mu.parameter_groups(0.0, 0.0), lr=0.0)
+        rubric = arco.rubric_update(mu, opt_mu, trajs, contexts, rubrics, args)
+        grads = [p.grad.clone() for opt in (opt_pi, opt_mu) for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        return pi, (ids, s, A, policy, rubric, grads)
+
+    pi, swapped = one_iteration()
+    frozen = [m for m in pi.model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+    assert len(pi.lowered) >= len(frozen) > 4
+    lora = [m for name, m in pi.model.named_modules() if isinstance(m, torch.nn.Linear) and "lora_" in name]
+    with pi.autocast():
+        assert all(m.weight.dtype == torch.bfloat16 for m in frozen)
+        assert lora and all(m.weight.dtype == torch.float32 and m.weight.requires_grad for m in lora)
+    with torch.no_grad(), pi.autocast():                                   # no gradient: LoRA lowered too
+        assert all(m.weight.dtype == torch.bfloat16 for m in frozen + lora)
+        assert pi.model.get_input_embeddings().weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in pi.model.parameters())
+    monkeypatch.setattr(rm.Backbone, "lower_frozen_weights", lambda self: [])
+    _, cast = one_iteration()
+    assert swapped[0] == cast[0] and sum(map(len, cast[0])) >= 3                     # rollouts' tokens
+    torch.testing.assert_close(swapped[1], cast[1], rtol=0, atol=0)                  # s_t
+    assert swapped[2] == cast[2] and swapped[3] == cast[3] and swapped[4] == cast[4]  # A, both updates' numbers
+    assert all(torch.equal(a, b) for a, b in zip(swapped[5], cast[5])) and len(cast[5]) > 4
+    monkeypatch.undo()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad(), pi.autocast():
+        before = pi.model(input_ids=ids).logits
+    rm.merge_lora(pi)                     # lora_B ≠ 0: the merged weights differ from the copies made before
+    assert pi.lowered == []
+    with torch.no_grad(), pi.autocast():
+        merged = pi.model(input_ids=ids).logits
+    monkeypatch.setattr(rm.Backbone, "lower_frozen_weights", lambda self: [])
+    with torch.no_grad(), pi.autocast():
+        assert torch.equal(merged, pi.model(input_ids=ids).logits) and not torch.equal(merged, before)
+
+
 def test_the_memo_lets_a_stored_prompt_go_after_its_last_reader(tiny_dir):
     """fast.PromptMemo: each stored prompt's keys/values are let go as soon as the last prompt of the call that
     starts with it has been prefilled, so the previous round's memo shrinks while this round's grows (RESULTS,

@@ -270,6 +270,7 @@ def test_a_phase_hands_what_it_freed_back_to_the_os(monkeypatch):
     import torch
 
     def grow_and_free(memory):
+        evaluate.release_memory()          # what earlier tests freed would otherwise absorb the growth
         before = memory.rss_gib()
         with memory.phase("allocate"):
             xs = [torch.ones(16 * 1024) for _ in range(3000)]
@@ -283,3 +284,45 @@ def test_a_phase_hands_what_it_freed_back_to_the_os(monkeypatch):
     monkeypatch.setattr(evaluate, "release_memory", lambda: None)
     before, after, _, _ = grow_and_free(evaluate.PhaseMemory())
     assert after - before > 0.15, "without the release the heap keeps the freed blocks (the test's premise)"
+
+
+ONEDNN_PROBE = """
+import sys
+sys.path.insert(0, {root!r})
+import torch, evaluate
+if {capped}:
+    evaluate.steady_heap()
+torch.set_num_threads(1)
+w, x = torch.randn(1536, 576), torch.randn(400, 576)
+before = evaluate.MEMORY.rss_gib()
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    for rows in range(20, 420):                    # 400 token counts: 400 matrix shapes
+        torch.nn.functional.linear(x[:rows], w)
+evaluate.release_memory()
+print(evaluate.MEMORY.rss_gib() - before)
+"""
+
+
+def test_the_bf16_kernels_oneDNN_keeps_are_capped():
+    """evaluate.steady_heap caps oneDNN's cache of compiled bf16 matmul kernels (one per matrix shape, about
+    0.8 MiB each, 1024 kept by default; every new token count makes new ones): the autocast path held
+    0.8 GiB of them (issue 43). A fresh process runs 400 shapes with and without the cap, and the user's
+    own ONEDNN_PRIMITIVE_CACHE_CAPACITY is left alone."""
+    def growth(capped: bool) -> float:
+        env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+        proc = subprocess.run([sys.executable, "-c", ONEDNN_PROBE.format(root=str(ROOT), capped=capped)],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return float(proc.stdout.split()[-1])
+    uncapped = growth(False)
+    if uncapped < 0.1:
+        pytest.skip(f"this CPU's bf16 matmuls keep no kernels per shape ({uncapped:.3f} GiB without the cap)")
+    assert growth(True) < uncapped - 0.1, uncapped
+    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], saved = "7", os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    try:
+        evaluate.steady_heap()
+        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"
+    finally:
+        os.environ.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+        if saved is not None:
+            os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = saved
