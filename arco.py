@@ -1268,6 +1268,9 @@ def memory_estimate(args: Args) -> dict:
     for who, c in shapes.items():
         lora = c["num_hidden_layers"] * 8 * 2 * c["hidden_size"] * 2   # r 8 on q and v: A and B, ≈ 2 × 8 × (h + h)
         rows["weights"] += _parameters(c) * b
+        if kv_b < b:        # autocast: a bf16 copy of every linear weight, the LM head's too (Backbone.autocast)
+            untied = 0 if c.get("tie_word_embeddings", True) else c["vocab_size"] * c["hidden_size"]
+            rows["weights"] += (_parameters(c) - untied) * kv_b
         rows["lora + AdamW"] += lora * 16 + (c["hidden_size"] * 256 * 16 if who == "μ" else 0)  # fp32 w, grad, 2 moments
         per = _token_bytes(c, b)
         new = args.max_new_tokens_pi if who == "π" else args.max_new_tokens_mu
