@@ -219,32 +219,24 @@ class Backbone:
 
     @contextlib.contextmanager
     def autocast(self):
-        """The context every forward pass runs in: bf16 autocast when chosen, else nothing.
-
-        Plumbing, the same numbers: inside it every frozen linear weight is swapped for a bf16 copy made once
-        (lower_frozen_weights; under no_grad every linear weight), and the float32 weight is put back when the outermost context closes. Autocast
-        would round each of them to bf16 at every call, the same rounding: a copy of every weight per decoding
-        step (36% of a step's time on the 2-core CPU) and one kept per pass for its backward (issue 43)."""
-        if self.autocast_dtype is None:
+        """The context every forward pass runs in: bf16 autocast when chosen, else nothing. Plumbing, the same
+        numbers (issue 43): inside it, weights no gradient will reach are bf16 copies made once, not cast again
+        by autocast at every call (a third of a decoding step; a copy per pass kept for its backward)."""
+        if self.autocast_dtype is None or self.entered:        # off, or nested in one that swapped them
             yield
             return
         with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-            if self.entered:                                        # nested: the outer context swapped them
-                yield
-                return
             self.entered, swapped = 1, self.lower_frozen_weights()
             try:
                 yield
             finally:
-                for linear, weight in swapped:
+                for linear, weight in swapped:                  # the float32 weights back (merging reads them)
                     linear._parameters["weight"] = weight
                 self.entered = 0
 
     def lower_frozen_weights(self) -> list:
-        """Swap each float32 nn.Linear weight that no gradient will reach (frozen, or any under no_grad) for its
-        bf16 copy, made at the first call and again when the weight changed in place (an optimizer step;
-        merge_lora drops them all); returns what to put back. A weight autograd may need (the LoRA adapters
-        in a training pass) stays float32: autocast casts it, keeping the gradient's path to it."""
+        """Swap each float32 nn.Linear weight that is frozen (any, under no_grad) for its bf16 copy, made again
+        when the weight changed in place (merge_lora, add_lora drop them all); returns what to put back."""
         if not self.lowered:
             self.lowered = [[m, m.weight, None, -1] for m in self.model.modules()
                             if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32]

@@ -262,7 +262,8 @@ def test_autocast_runs_on_bf16_copies_of_the_frozen_weights_with_the_same_number
         policy = arco.policy_update(pi, opt_pi, trajs, A, args, 0.05)
         opt_mu = torch.optim.SGD(mu.parameter_groups(0.0, 0.0), lr=0.0)
         rubric = arco.rubric_update(mu, opt_mu, trajs, contexts, rubrics, args)
-        grads = [p.grad.clone() for opt in (opt_pi, opt_mu) for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad.clone() for opt in (opt_pi, opt_mu) for g in opt.param_groups for p in g["params"]
+                 if p.grad is not None]
         return pi, (ids, s, A, policy, rubric, grads)
 
     pi, swapped = one_iteration()

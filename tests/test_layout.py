@@ -69,10 +69,11 @@ def test_the_fast_engine_lives_in_fast_py_and_only_warmup_imports_it_to_register
     assert not any(isinstance(n, ast.Name) and n.id == "fast" for n in ast.walk(warm))       # names nothing in it
 
 
-def test_rubric_model_is_the_two_head_model_in_1300_lines():
-    """No packing, prefix, memo, decoder or benchmark code left in it: those are fast.py's and benchmark.py's."""
+def test_rubric_model_is_the_two_head_model_in_1320_lines():
+    """No packing, prefix, memo, decoder or benchmark code left in it: those are fast.py's and benchmark.py's.
+    (1300 until issue 43 added Backbone.autocast's bf16 weight copies, which both engines use.)"""
     lines = (ROOT / "rubric_model.py").read_text(encoding="utf-8").splitlines()
-    assert len(lines) <= 1300
+    assert len(lines) <= 1320
     assert not {"benchmark", "best_times", "parse_rate", "memory_estimate"} & top_level_names("rubric_model")
 
 
