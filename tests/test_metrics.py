@@ -303,7 +303,7 @@ print(evaluate.MEMORY.rss_gib() - before)
 """
 
 
-def test_the_bf16_kernels_oneDNN_keeps_are_capped():
+def test_the_bf16_kernels_oneDNN_keeps_are_capped(monkeypatch):
     """evaluate.steady_heap caps oneDNN's cache of compiled bf16 matmul kernels (one per matrix shape, about
     0.8 MiB each, 1024 kept by default; every new token count makes new ones): the autocast path held
     0.8 GiB of them (issue 43). A fresh process runs 400 shapes with and without the cap, and the user's
@@ -318,11 +318,6 @@ def test_the_bf16_kernels_oneDNN_keeps_are_capped():
     if uncapped < 0.1:
         pytest.skip(f"this CPU's bf16 matmuls keep no kernels per shape ({uncapped:.3f} GiB without the cap)")
     assert growth(True) < uncapped - 0.1, uncapped
-    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], saved = "7", os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
-    try:
-        evaluate.steady_heap()
-        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"
-    finally:
-        os.environ.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
-        if saved is not None:
-            os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = saved
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7")
+    evaluate.steady_heap()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"
