@@ -437,7 +437,7 @@ def run(args: Args) -> Path:
     warmup_dir = ensure_warmup(args)                                 # §3.2, App. B: π_sft and μ_sft (rank 0)
     train = training_questions(args, warmup_dir)                     # D
     dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size, args.seed)
-    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)       # R
+    retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)       # R
     torch.manual_seed(args.seed)                 # the fresh LoRA adapters' initialization
     pi, mu = build_models(args, warmup_dir)                          # line 1: π ← π_sft, μ ← μ_sft
     opt_pi, opt_mu = make_optimizers(pi, mu, args)
@@ -1275,8 +1275,12 @@ def memory_estimate(args: Args) -> dict:
         per = _token_bytes(c, b)
         new = args.max_new_tokens_pi if who == "π" else args.max_new_tokens_mu
         kv = _token_bytes(c, kv_b)["kv"]
-        rows["rollout KV cache"] = max(rows["rollout KV cache"],
-                                       (args.gen_batch * (context + new) + (memo_tokens if who == "π" else 0)) * kv)
+        # a decoding batch's prompts are held twice while it decodes: as stored rows (the memo's, kept for the
+        # next round) and as the batch's padded cache, which the prefill first writes with its keys in the
+        # weights' dtype (RoPE's float32 under autocast; fast.kv_rows). Measured: RESULTS, issue 43
+        first = c["num_hidden_layers"] * _attention_widths(c)[2] * (b + kv_b)
+        rows["rollout KV cache"] = max(rows["rollout KV cache"], args.gen_batch * (context + new) * (kv + first)
+                                       + (memo_tokens * kv if who == "π" else 0))
         # LM-head rows of one pass (log-probs, KL): a packed row holds each step's new tokens only (its
         # observation and action, then its reply), the shared history once, so replies fill a good part of it
         response = args.pass_tokens * new / (new + obs + 30)

@@ -311,7 +311,7 @@ def loop_benchmark(args: arco.Args) -> dict:
     bench = Path(args.out_dir) / args.dataset / "benchmark"
     warmup_dir = arco.ensure_warmup(args)
     questions = arco.training_questions(args, warmup_dir)[:args.batch_size]
-    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
+    retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)
     torch.manual_seed(args.seed)
     pi, mu = arco.build_models(args, warmup_dir)
     opt_pi, opt_mu = arco.make_optimizers(pi, mu, args)

@@ -117,7 +117,7 @@ def ladder(argv: Sequence[str], rows: Sequence[str]) -> Path:
         print(f"[study] ladder row {row}: μ {folder / name}", flush=True)
         warmup.run_from_arco(args, folder)                     # trains the μ this row needs, reuses the rest
         if trajs is None:
-            retriever = env.Retriever(base.retriever or None, pooling=base.retriever_pooling)
+            retriever = env.shared_retriever(base.retriever or None, base.retriever_pooling)
             trajs = warmup.policy_dev_rollouts(base, folder, retriever)
         mu = rubric_model.RubricModel.load(folder / name, device=base.device, dtype=base.dtype, autocast=base.autocast,
                                            engine=base.engine)

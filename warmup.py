@@ -1678,7 +1678,7 @@ def summarize(records: Sequence[dict], examples: Sequence[env.Example], run: dic
 
 def check_gold(args: Args) -> None:
     """--check-gold: how often the oracle's gold trajectories retrieve every supporting paragraph."""
-    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
+    retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)
     names = [d for d in env.DATASETS] if args.dataset == "all" else [args.dataset]
     for ds in names:
         examples = env.load_split(ds, args.split, args.data_dir or None, args.check_size or None, args.seed)
@@ -1738,7 +1738,7 @@ def run(args: Args) -> Path:
     check_retriever(out_dir, args.retriever, args.retriever_pooling)
     examples = env.load_split(args.dataset, args.split, args.data_dir or None, args.warmup_size or None, args.seed)
     teacher = make_teacher(args)
-    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
+    retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)
     env.write_json(out_dir / "args.json", dataclasses.asdict(args))
     env.write_json(out_dir / "retriever.json", {"retriever": args.retriever or env.EMBEDDED_RETRIEVER,
                                             "pooling": args.retriever_pooling})

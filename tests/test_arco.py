@@ -231,11 +231,29 @@ def tiny_args(tiny_dir, out, **kw):
     return argv
 
 
+RETRIEVERS_MADE: list = []      # the Retrievers tiny_run made
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    arco.main(tiny_args(tiny_dir, out))
+
+    class Counting(env.Retriever):
+        def __init__(self, *a, **kw):
+            RETRIEVERS_MADE.append(self)
+            super().__init__(*a, **kw)
+    env._RETRIEVERS.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(env, "Retriever", Counting)
+        arco.main(tiny_args(tiny_dir, out))
+    env._RETRIEVERS.clear()
     return out
+
+
+def test_the_warmup_and_the_run_share_one_retriever(tiny_run):
+    """`make run` runs the warmup and Algorithm 1 in one process: one Retriever (and its paragraph cache) serves
+    both, so no question's paragraphs are encoded twice (the dev questions' were: issue 43)."""
+    assert len(RETRIEVERS_MADE) == 1
 
 
 def read_jsonl(path):

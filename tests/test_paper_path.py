@@ -119,6 +119,22 @@ def test_activation_bytes_per_token_match_what_autograd_saves(tiny_qwen3_dir, ti
                 (folder.name, dtype, estimate, sum(seen.values()))
 
 
+def test_the_estimate_holds_a_decoding_batch_twice_its_first_keys_in_the_weights_dtype():
+    """A decoding batch's prompts are held as stored rows and as the batch's padded cache, the latter first
+    written with float32 keys under autocast (issue 43): per token of SmolLM2's shape (30 layers, 3 KV heads of
+    64), stored 30 × 2 × 192 × b bytes and first 30 × 192 × (4 + b): 46,080 + 46,080 in float32, 23,040 +
+    34,560 under bf16 autocast. The plain engine keeps no memo, so the row is that times the batch's tokens."""
+    rows = {}
+    for path in ("on", "off"):
+        args = arco.resolve_args(arco.Args(dataset="hotpotqa", model="random:SmolLM2-135M", engine="plain",
+                                           device="cpu", dtype="float32", autocast=path))
+        rows[path] = arco.memory_estimate(args)["rollout KV cache"]
+    # μ's batch is the longer (its reply): 32 prompts × (350 + 3 searches × (300/4 + 30) + π's 32 + μ's 96)
+    assert (args.gen_batch, args.obs_chars, args.max_new_tokens_pi, args.max_new_tokens_mu) == (32, 300, 32, 96)
+    assert rows["off"] == pytest.approx(32 * 793 * (46_080 + 46_080) / 2 ** 30)
+    assert rows["on"] == pytest.approx(32 * 793 * (23_040 + 34_560) / 2 ** 30)
+
+
 def test_dry_run_prints_the_paper_presets_memory_without_any_download(capsys):
     """The paper preset: Qwen3-4B's public shape (no weights, no config download), bf16 on the GPU it is meant
     for; the peak and whether it fits the 80 GB of the paper's GPU, and a smaller --gpu-memory that it does not."""
