@@ -948,7 +948,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             examples = load_split(args.dataset, args.split, args.data_dir or None, args.size or None, args.seed)
             sys.exit(report_predictions(args.predictions, examples, f"{args.dataset}/{args.split}"))
         if args.check_retrieval:
-            retriever = shared_retriever(args.retriever or None, args.retriever_pooling)
+            retriever = Retriever(args.retriever or None, pooling=args.retriever_pooling)
             for ds in datasets:
                 for sp in splits:
                     r = retrieval_hit_rate(load_split(ds, sp, args.data_dir, args.size or None, args.seed), retriever)
