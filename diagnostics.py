@@ -817,7 +817,7 @@ def method_of(row: dict) -> str:
 
 # Run arguments that tell seeds of one method apart (or only say where and how it ran), not its settings.
 NOT_SETTINGS = {"seed", "name", "out_dir", "resume", "dry_run", "benchmark", "device", "dtype", "autocast", "data_dir",
-                "warmup_dir"}
+                "warmup_dir", "fork_from"}     # a study's arms fork each seed from that seed's own sparse run
 # What outcome RL never reads (no μ, no dense epoch): differences in these do not split its runs.
 UNUSED_BY_OUTCOME = {"sparse_epochs", "pi_lr_dense", "kl_pi_dense", "rubric", "k", "mu_model", "mu_lr", "head_lr",
                      "kl_mu", "alpha", "bucket_fallback", "class_balance", "rubric_temperature", "max_new_tokens_mu",

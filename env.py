@@ -514,14 +514,14 @@ EMBEDDED_RETRIEVER = "all-MiniLM-L6-v2"   # what an empty --retriever means (the
 class Retriever:
     """Dense retrieval over an example's own paragraphs.
 
-    Encoder output is pooled (`mean`: attention-mask mean of the last hidden states, how
+    Encoder output is pooled (`mean`: the mean of the text's last hidden states, how
     all-MiniLM-L6-v2 was trained; `cls`: the first token's hidden state, how the paper's
     unsup-SimCSE was trained), L2-normalized, and compared by cosine. A paragraph is encoded
     as "title. text"; each example's paragraph matrix is computed once and cached.
     """
 
     def __init__(self, name_or_path: str | None = None, pooling: str = "mean", device: str = "cpu",
-                 max_length: int = 256, batch_size: int = 64):
+                 max_length: int = 256):
         import torch
         from transformers import AutoModel, AutoTokenizer
         if pooling not in ("mean", "cls"):
@@ -534,30 +534,27 @@ class Retriever:
             raise DataError(f"cannot load retriever encoder '{path}' ({e}); offline, leave --retriever empty "
                             f"to use the embedded all-MiniLM-L6-v2") from None
         self.torch, self.pooling, self.device = torch, pooling, device
-        self.max_length, self.batch_size = max_length, batch_size
+        self.max_length = max_length
         self.cache: dict[tuple[str, str], object] = {}
 
     def encode(self, texts: list[str], progress: bool = False):
-        """(n, d) L2-normalized embeddings, in batches of similar length (less padding)."""
+        """(n, d) L2-normalized embeddings, one text per forward pass. Without padding a text's embedding depends
+        on the text alone, not on what it was encoded beside (in padded batches it moved by up to 1.6e-7), so a
+        run resumed in a new process retrieves what the uninterrupted one did; on the CPU it is also faster
+        than length-sorted batches of 64 (14.6 s against 18.6 s for 300 HotpotQA paragraphs, one thread)."""
         torch = self.torch
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         out = torch.zeros(len(texts), self.model.config.hidden_size)
-        starts = range(0, len(texts), self.batch_size)
+        items = range(len(texts))
         if progress:
             from tqdm import tqdm
-            starts = tqdm(starts, desc="encode paragraphs", leave=False)
+            items = tqdm(items, desc="encode paragraphs", leave=False)
         with torch.inference_mode():
-            for i in starts:
-                idx = order[i:i + self.batch_size]
-                enc = self.tokenizer([texts[j] for j in idx], padding=True, truncation=True,
-                                     max_length=self.max_length, return_tensors="pt").to(self.device)
-                hidden = self.model(**enc).last_hidden_state
-                if self.pooling == "cls":
-                    v = hidden[:, 0]
-                else:
-                    m = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                    v = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
-                out[idx] = torch.nn.functional.normalize(v.float(), dim=-1).cpu()
+            for i in items:
+                enc = self.tokenizer(texts[i], truncation=True, max_length=self.max_length,
+                                     return_tensors="pt").to(self.device)
+                hidden = self.model(**enc).last_hidden_state[0]                   # [L, d]
+                v = hidden[0] if self.pooling == "cls" else hidden.mean(0)       # no padding: the plain mean
+                out[i] = torch.nn.functional.normalize(v.float(), dim=-1).cpu()
         return out
 
     def _paragraphs(self, examples: list[Example]):

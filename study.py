@@ -19,6 +19,9 @@ is kept; an unfinished run resumes), each taking arco.py's flags after its own:
                                                    vs outcome RL of the same seed, paired 95% intervals), μ's AUC
                                                    through the sparse phase and at the fork, per-update credit
                                                    statistics, the learning curves: <out-dir>/synthetic-long/study/
+                                                   (seeds run as separate processes each write it for their own
+                                                   seeds: the command with every seed rebuilds it from the
+                                                   finished runs, running nothing again)
 
 The settings every run of the study shares are STUDY below; the dense phase takes the release's ratios to
 the sparse one (CHOICES.md, "the credit study").

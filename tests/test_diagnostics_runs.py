@@ -140,8 +140,9 @@ def test_method_rows_pool_the_seeds_of_each_method(tmp_path):
 
 def test_method_rows_keep_runs_of_different_settings_apart(tmp_path):
     # Three outcome runs: seeds 1 and 2 at G = 4, seed 1 at G = 2. Only the G = 4 pair is pooled; each
-    # group is labelled with the flag that differs (the seed and the name do not count as settings, nor
-    # does a dense-epoch learning rate, which outcome RL never uses).
+    # group is labelled with the flag that differs (the seed, the name and the sparse run a study's arm forks
+    # from, one per seed, do not count as settings, nor does a dense-epoch learning rate, which outcome RL
+    # never uses).
     runs, rows = [], []
     for name, seed, group, dense_lr in (("a", 1, 4, 1e-4), ("b", 2, 4, 5e-5), ("c", 1, 2, 1e-4)):
         folder = tmp_path / name
@@ -149,7 +150,7 @@ def test_method_rows_keep_runs_of_different_settings_apart(tmp_path):
         for epoch in (0, 1):
             (folder / "traces" / f"eval_epoch_{epoch}.jsonl").write_text(json.dumps({"id": "q", "reward": epoch}) + "\n")
         args = {"reward": "outcome", "seed": seed, "name": name, "group_size": group, "pi_lr_sparse": 2e-4,
-                "pi_lr_dense": dense_lr}
+                "pi_lr_dense": dense_lr, "fork_from": f"runs/sparse-s{seed}/checkpoints/epoch_2"}
         runs.append(dg.Run(folder, name, args, "epoch_1", 1, True, tmp_path))
         rows.append({"system": name, "run": str(folder), "reward": "outcome", "em": 100.0, "f1": 100.0})
     got = {m["method"]: m["runs"] for m in dg.method_rows(rows, runs)}

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import env
 from conftest import REPO
@@ -252,6 +253,22 @@ def test_retriever_encodes_normalized_and_caches(retriever):
     first = retriever.retrieve([ex, ex], [ex.paragraphs[3][0], ex.paragraphs[5][0]])
     assert first == [3, 5]
     assert (ex.dataset, ex.id) in retriever.cache
+
+
+def test_a_paragraphs_embedding_depends_on_it_alone():
+    """Each text is encoded in its own forward pass, so its embedding is the same bit for bit whatever it is
+    encoded beside and whatever the cache already holds: a run resumed in a new process retrieves exactly what
+    the uninterrupted one did. (Padded batches moved it by up to 1.6e-7: an argmax flip at a near-tie.)"""
+    examples = env.synthetic_examples(8, split="dev", long=True)         # 88 paragraphs
+    together, alone = env.Retriever(), env.Retriever()
+    a = examples[0]
+    texts = [f"{t}. {x}" for t, x in a.paragraphs]
+    assert torch.equal(together._paragraphs(examples)[0], torch.cat([alone.encode([t]) for t in texts]))
+    # the mean over the text's tokens, L2-normalized: what a padded batch's masked mean computed
+    enc = alone.tokenizer(texts[0], return_tensors="pt")
+    with torch.no_grad():
+        h = alone.model(**enc).last_hidden_state[0].mean(0)
+    assert torch.allclose(alone.encode(texts[:1])[0], h / h.norm(), atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- action parser
