@@ -1678,7 +1678,7 @@ def summarize(records: Sequence[dict], examples: Sequence[env.Example], run: dic
 
 def check_gold(args: Args) -> None:
     """--check-gold: how often the oracle's gold trajectories retrieve every supporting paragraph."""
-    retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)
+    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
     names = [d for d in env.DATASETS] if args.dataset == "all" else [args.dataset]
     for ds in names:
         examples = env.load_split(ds, args.split, args.data_dir or None, args.check_size or None, args.seed)
