@@ -205,6 +205,45 @@ def update_aucs(run_dir: Path) -> list[dict]:
     return out
 
 
+def fork_mu_auc(base: arco.Args, warm: Path, forks: Iterable[Path], path: Path) -> dict:
+    """μ's step AUC at the fork, held out: per seed, the μ of the sparse run's checkpoint at the fork (co-evolved
+    by Eq. 5 on π's rollouts) and the warmup μ it started from, each reading its own greedy rubric, on the
+    ladder's 100 dev questions played by π_sft (the ladder's probe: μ before RL) and by π at the fork (the same
+    questions and sampling seeds), with the position-only baseline on the same steps. Kept in `path` by
+    "<μ> on <player>"; a pair already there is not measured again (the seeds' processes share the file)."""
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    trajs: dict = {}
+    for fork in forks:
+        run = fork.parent.parent
+        start = warm / warmup.mu_dir_name(json.loads((run / "args.json").read_text()))
+        label = f"{run.name}/{fork.name}"
+        for mu_dir, mu_name in ((start, start.name), (fork / "mu", label)):
+            for policy, player in ((None, "pi_sft"), (fork / "pi", label)):
+                key = f"{mu_name} on {player}"
+                if key in done:
+                    continue
+                if player not in trajs:
+                    retriever = env.shared_retriever(base.retriever or None, base.retriever_pooling)
+                    trajs[player] = warmup.policy_dev_rollouts(base, warm, retriever, policy)
+                print(f"[study] μ's AUC at the fork: {key}", flush=True)
+                mu = rubric_model.RubricModel.load(mu_dir, device=base.device, dtype=base.dtype,
+                                                   autocast=base.autocast, engine=base.engine)
+                row = {"mu": mu_name, "player": player, "position": position_auc(trajs[player]),
+                       **warmup.policy_dev_auc(mu, trajs[player], base.gen_batch, base.max_new_tokens_mu)}
+                del mu
+                done = {**(json.loads(path.read_text()) if path.is_file() else {}), **done, key: row}
+                env.write_json(path, done)
+    return done
+
+
+def fork_mu_markdown(done: dict) -> str:
+    rows = [f"| {d['mu']} | {d['player']} | **{fmt(d['search'])}** / {fmt(d['position']['search'])} | "
+            f"**{fmt(d['finish'])}** / {fmt(d['position']['finish'])} | {fmt(d['all'])} | {d['steps']} |"
+            for d in done.values()]
+    return ("| μ | rollouts of | search: μ / position | finish: μ / position | all | steps |\n"
+            "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
 def credit_room(rows: Iterable[dict]) -> dict:
     """How much room step credit has in a policy's trajectories (trace rows): the share of failed ones (R = 0)
     holding a useful step followed later by a useless one — where outcome credit blames the useful step
@@ -265,11 +304,15 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
                                                                         else []), check=True)
     comp = json.loads((runs[0] / "comparison.json").read_text())
     md = "# The fork study (issue 41)\n\n" + (runs[0] / "comparison.md").read_text()
-    sparse = sorted({Path(json.loads((d / "args.json").read_text())["fork_from"]).parent.parent
-                     for ds in dirs.values() for d in ds})
+    forks = sorted({Path(json.loads((d / "args.json").read_text())["fork_from"]) for d in runs})
+    sparse = sorted({f.parent.parent for f in forks})
     aucs = {p.name: update_aucs(p) for p in sparse if (p / "checkpoints").is_dir()}
     aucs.update({d.name: update_aucs(d) for d in runs if (d / "traces").is_dir() and arco.uses_mu(
         arco.Args(**{k: v for k, v in json.loads((d / "args.json").read_text()).items() if k in ARGS_FIELDS}))})
+    fork_mu = fork_mu_auc(base, root / "study-warmup", forks, out / "fork_mu.json")
+    md += ("\nμ's step AUC at the fork, held out: the warmup μ and each seed's μ at the fork, each writing its own "
+           f"rubric, on {warmup.POLICY_PROBE_QUESTIONS} dev questions played once by π_sft and by π at the fork "
+           "(the same questions and sampling seeds):\n\n" + fork_mu_markdown(fork_mu))
     md += "\nμ through the sparse phase and after the fork, per update (decomposition error; step AUC search / finish):\n\n"
     for name, rows in aucs.items():
         md += f"- {name}: " + "; ".join(f"{fmt(r['decomposition_mse'])} {fmt(r['search'])}/{fmt(r['finish'])}"
@@ -285,8 +328,8 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
         plot_curves(rewards, folder / "study_train_reward.png", "mean R(τ) of the training rollouts", "mean R")
     out.mkdir(parents=True, exist_ok=True)
     (out / "fork.md").write_text(md, encoding="utf-8")
-    env.write_json(out / "fork.json", {"comparison": comp, "update_aucs": aucs, "credit_stats": stats,
-                                       "curves": curves})
+    env.write_json(out / "fork.json", {"comparison": comp, "fork_mu": fork_mu, "update_aucs": aucs,
+                                       "credit_stats": stats, "curves": curves})
     print(md)
     return out
 

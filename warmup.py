@@ -1599,9 +1599,10 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     return metrics
 
 
-def on_policy_teacher(args: "Args", out_dir: Path) -> OnPolicyTeacher:
-    pi, _ = load_backbone_checkpoint(out_dir / "pi_sft", device=args.device, dtype=args.dtype, autocast=args.autocast,
-                                     engine=args.engine)
+def on_policy_teacher(args: "Args", out_dir: Path, policy: Path | None = None) -> OnPolicyTeacher:
+    """π_sft of the warmup in `out_dir` (or the π saved in `policy`, a run's checkpoint) as a teacher."""
+    pi, _ = load_backbone_checkpoint(policy or out_dir / "pi_sft", device=args.device, dtype=args.dtype,
+                                     autocast=args.autocast, engine=args.engine)
     return OnPolicyTeacher(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch, args.seed,
                            args.obs_chars)
 
@@ -1624,11 +1625,12 @@ def policy_items(args: "Args", out_dir: Path, questions: Sequence[env.Example], 
 POLICY_PROBE_QUESTIONS = 100     # held-out dev questions π_sft plays once each for μ's step AUC before RL
 
 
-def policy_dev_rollouts(args, out_dir: Path, retriever) -> list[env.Trajectory]:
+def policy_dev_rollouts(args, out_dir: Path, retriever, policy: Path | None = None) -> list[env.Trajectory]:
     """π_sft's seeded rollouts of POLICY_PROBE_QUESTIONS held-out dev questions (one each, at the rollout
-    temperature): the steps on which every μ of a warmup is measured before RL (policy_dev_auc)."""
+    temperature): the steps on which every μ of a warmup is measured before RL (policy_dev_auc). With `policy`
+    (a run's saved π), that π plays the same questions with the same seeds."""
     dev = env.load_split(args.dataset, "dev", args.data_dir or None, POLICY_PROBE_QUESTIONS, args.seed + 1)
-    return on_policy_teacher(args, out_dir).rollout([(ex, 0) for ex in dev], retriever)[0]
+    return on_policy_teacher(args, out_dir, policy).rollout([(ex, 0) for ex in dev], retriever)[0]
 
 
 def policy_dev_auc(mu, trajs: Sequence[env.Trajectory], gen_batch: int, max_new_tokens: int = 128) -> dict:

@@ -519,6 +519,12 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
                                      for v in st.values()))
         return out
     monkeypatch.setattr(arco, "resume_from", recording)
+    players, judges = [], []                             # μ's AUC at the fork: who played, which μ scored
+    teacher, load = warmup.on_policy_teacher, rm.RubricModel.load
+    monkeypatch.setattr(warmup, "on_policy_teacher", lambda a, o, policy=None: players.append(policy) or
+                        teacher(a, o, policy))
+    monkeypatch.setattr(rm.RubricModel, "load", lambda folder, **kw: judges.append(Path(folder)) or load(folder, **kw))
+    monkeypatch.setattr(warmup, "POLICY_PROBE_QUESTIONS", 2)
     arms = list(study.ARMS)
     out = study.fork_study(argv, [0], arms)
     root = tmp_path / "synthetic-long"
@@ -554,7 +560,17 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
     assert vs["n"] == 3                                         # the 3 dev questions, paired
     assert len(fork["update_aucs"]["sparse-s0"]) == 2 and "decomposition_mse" in fork["update_aucs"]["sparse-s0"][0]
     assert (out / "study_dev_em.png").stat().st_size > 1000
+    forks = sorted(root / f"{r}-s0" / "checkpoints" / "epoch_1" for r in ("sparse", "sparse-norubric"))
+    assert players == [None] + [f / "pi" for f in forks]           # π_sft, then each seed's π at the fork, once
+    starts = [root / "study-warmup" / ("mu_sft-none" if "norubric" in str(f) else "mu_sft") for f in forks]
+    assert judges[-8:] == [j for s, f in zip(starts, forks) for j in (s, s, f / "mu", f / "mu")]
+    labels = [f"{f.parent.parent.name}/epoch_1" for f in forks]
+    assert set(fork["fork_mu"]) == {f"{m} on {p}" for s, label in zip(starts, labels) for m in (s.name, label)
+                                   for p in ("pi_sft", label)}
+    assert all(r["questions"] == 2 and {"search", "finish", "all", "position"} <= set(r)
+               for r in fork["fork_mu"].values())
     stamps = {arm: (root / f"{arm}-s0" / "metrics.jsonl").stat().st_mtime_ns for arm in arms}
-    started.clear()
+    started.clear(), players.clear(), judges.clear()
     study.fork_study(argv, [0], arms)
-    assert started == {} and stamps == {arm: (root / f"{arm}-s0" / "metrics.jsonl").stat().st_mtime_ns for arm in arms}
+    assert started == {} and players == [] and judges == []
+    assert stamps == {arm: (root / f"{arm}-s0" / "metrics.jsonl").stat().st_mtime_ns for arm in arms}
