@@ -244,6 +244,27 @@ def fork_mu_markdown(done: dict) -> str:
             "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
+def credit_summary(updates: Sequence[dict]) -> dict:
+    """Over a run's dense updates (metrics rows with μ's statistics): μ's mean s_t by step type and position, the
+    mean correlation of Σ_t s_t − R with the trajectory's number of searches (does μ pay for length?), and the
+    singleton fallback (Eq. 3–4: a bucket of one step is advantaged against its batch, not its bucket): such
+    buckets per update, how many were terminal (a Finish's), and the mean advantage those Finishes got."""
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else None
+    by_step = defaultdict(list)
+    for u in updates:
+        for k, v in (u.get("mean_s_by_step") or {}).items():
+            by_step[k].append(v)
+    singles = [b for u in updates for b in u.get("singleton_buckets") or []]
+    finishes = [b["A"] for b in singles if b.get("action") == "finish"]
+    return {"updates": len(updates), "mean_s_by_step": {k: mean(v) for k, v in sorted(by_step.items())},
+            "corr_excess_searches": mean([u.get("corr_excess_searches") for u in updates]),
+            "singletons_per_update": len(singles) / len(updates) if updates else None,
+            "finish_singletons_per_update": len(finishes) / len(updates) if updates else None,
+            "finish_singleton_A": mean(finishes)}
+
+
 def credit_room(rows: Iterable[dict]) -> dict:
     """How much room step credit has in a policy's trajectories (trace rows): the share of failed ones (R = 0)
     holding a useful step followed later by a useless one — where outcome credit blames the useful step
@@ -317,10 +338,20 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
     for name, rows in aucs.items():
         md += f"- {name}: " + "; ".join(f"{fmt(r['decomposition_mse'])} {fmt(r['search'])}/{fmt(r['finish'])}"
                                         for r in rows) + "\n"
-    stats = {d.name: [{k: r.get(k) for k in ("epoch", "batch", "mean_s_by_step", "corr_excess_searches",
+    stats = {d.name: [{k: r.get(k) for k in ("epoch", "batch", "dense", "mean_s_by_step", "corr_excess_searches",
                                              "singleton_buckets")}
                       for r in env.read_jsonl(d / "metrics.jsonl") if r["kind"] == "update" and "mean_s_by_step" in r]
              for ds in dirs.values() for d in ds}
+    summary = {name: credit_summary([r for r in rows if r["dense"]]) for name, rows in stats.items()
+               if any(r["dense"] for r in rows)}
+    md += ("\nμ's credit over each arm's dense updates: corr(Σ s − R, searches), mean over updates (> 0: μ pays for "
+           "length); singleton buckets per update (terminal ones, and the mean advantage of their Finish); μ's mean "
+           "s_t by step and position:\n\n")
+    for name, c in summary.items():
+        md += (f"- {name} ({c['updates']} updates): corr {fmt(c['corr_excess_searches'])}; singletons "
+               f"{fmt(c['singletons_per_update'])} (terminal {fmt(c['finish_singletons_per_update'])}, A "
+               f"{fmt(c['finish_singleton_A'])}); s̄ " + ", ".join(f"{k} {v:+.2f}" for k, v in
+                                                                 c["mean_s_by_step"].items()) + "\n")
     curves = {arm: [dev_curve(d) for d in ds] for arm, ds in dirs.items()}
     rewards = {arm: [train_reward(d) for d in ds] for arm, ds in dirs.items()}
     for folder in [out] + ([Path(figures)] if figures else []):
@@ -329,7 +360,7 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
     out.mkdir(parents=True, exist_ok=True)
     (out / "fork.md").write_text(md, encoding="utf-8")
     env.write_json(out / "fork.json", {"comparison": comp, "fork_mu": fork_mu, "update_aucs": aucs,
-                                       "credit_stats": stats, "curves": curves})
+                                       "credit_stats": stats, "credit_summary": summary, "curves": curves})
     print(md)
     return out
 

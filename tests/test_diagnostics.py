@@ -407,3 +407,20 @@ def test_auc_by_step_type_by_hand():
         {"search": 1.0, "finish": None, "all": 1.0}
     assert auc_by_step_type([0.2, 0.9, 0.1, 0.8], [1, 0, 1, 0], ["finish", "finish", "search", "search"]) == \
         {"search": 0.0, "finish": 0.0, "all": 0.0}
+
+
+def test_credit_summary_averages_the_dense_updates_by_hand():
+    """μ's mean s_t per step key over the updates that have it, the mean correlation (None skipped), singleton
+    buckets per update, the terminal ones among them and their Finish's mean advantage."""
+    updates = [{"mean_s_by_step": {"search@1": 0.5, "finish@2": -0.25}, "corr_excess_searches": 0.2,
+                "singleton_buckets": [{"bucket": "terminal", "action": "finish", "A": -0.5},
+                                      {"bucket": "search_4", "action": "search", "A": 0.25}]},
+               {"mean_s_by_step": {"search@1": 0.25}, "corr_excess_searches": None, "singleton_buckets": []},
+               {"mean_s_by_step": {"search@1": 0.0, "finish@2": 0.75}, "corr_excess_searches": -0.1,
+                "singleton_buckets": [{"bucket": "terminal", "action": "finish", "A": 1.0}]}]
+    out = study.credit_summary(updates)
+    assert out["updates"] == 3 and out["mean_s_by_step"] == {"finish@2": 0.25, "search@1": 0.25}
+    assert out["corr_excess_searches"] == pytest.approx(0.05)
+    assert out["singletons_per_update"] == 1.0 and out["finish_singletons_per_update"] == pytest.approx(2 / 3)
+    assert out["finish_singleton_A"] == 0.25
+    assert study.credit_summary([])["corr_excess_searches"] is None
