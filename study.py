@@ -278,11 +278,20 @@ def credit_room(rows: Iterable[dict]) -> dict:
 
 
 def dev_curve(run_dir: Path) -> list[tuple[int, float]]:
-    """(updates made before it, dev EM) of every evaluation of a run: epoch ends (eval) and --eval-every points
-    (curve; on the smaller slice)."""
+    """(updates made before it, dev EM) of every evaluation of a run, all on the curve's slice (the first
+    --curve-size dev questions): the --eval-every points, and each epoch-end evaluation's EM on those same
+    questions (its traces; the evaluation's own EM covers --eval-size questions, shown in the table)."""
     rows = env.read_jsonl(run_dir / "metrics.jsonl")
+    size = json.loads((run_dir / "args.json").read_text()).get("curve_size")
     done = lambda e, b: sum(r["kind"] == "update" and (r["epoch"], r["batch"]) <= (e, b) for r in rows)  # noqa: E731
-    return [(done(r["epoch"], r["batch"] if r["kind"] == "curve" else 10 ** 9), r["em"])
+
+    def on_slice(r: dict) -> float:
+        traces = run_dir / "traces" / f"eval_epoch_{r['epoch']}.jsonl"
+        if r["kind"] == "curve" or not size or not traces.is_file():
+            return r["em"]
+        first = env.read_jsonl(traces)[:size]               # an evaluation's traces keep the dev order
+        return 100.0 * sum(t["reward"] for t in first) / len(first)
+    return [(done(r["epoch"], r["batch"] if r["kind"] == "curve" else 10 ** 9), on_slice(r))
             for r in rows if r["kind"] in ("eval", "curve")]
 
 
@@ -355,7 +364,8 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
     curves = {arm: [dev_curve(d) for d in ds] for arm, ds in dirs.items()}
     rewards = {arm: [train_reward(d) for d in ds] for arm, ds in dirs.items()}
     for folder in [out] + ([Path(figures)] if figures else []):
-        plot_curves(curves, folder / "study_dev_em.png", "dev EM (thin: seeds; thick: mean)", "EM (%)")
+        plot_curves(curves, folder / "study_dev_em.png", f"dev EM on {base.curve_size} questions "
+                    "(thin: seeds; thick: mean)", "EM (%)")
         plot_curves(rewards, folder / "study_train_reward.png", "mean R(τ) of the training rollouts", "mean R")
     out.mkdir(parents=True, exist_ok=True)
     (out / "fork.md").write_text(md, encoding="utf-8")

@@ -424,3 +424,21 @@ def test_credit_summary_averages_the_dense_updates_by_hand():
     assert out["singletons_per_update"] == 1.0 and out["finish_singletons_per_update"] == pytest.approx(2 / 3)
     assert out["finish_singleton_A"] == 0.25
     assert study.credit_summary([])["corr_excess_searches"] is None
+
+
+def test_dev_curve_puts_every_point_on_the_curve_slice_by_hand(tmp_path):
+    """The --eval-every points are on the first --curve-size dev questions already; an epoch-end evaluation (on
+    --eval-size) enters the curve with its EM on those same questions, read from its traces."""
+    run = tmp_path / "run"
+    (run / "traces").mkdir(parents=True)
+    (run / "args.json").write_text(json.dumps({"curve_size": 2}))
+    rows = [{"kind": "eval", "epoch": 0, "em": 25.0},
+            {"kind": "update", "epoch": 1, "batch": 0}, {"kind": "update", "epoch": 1, "batch": 1},
+            {"kind": "curve", "epoch": 1, "batch": 1, "em": 50.0},
+            {"kind": "update", "epoch": 1, "batch": 2},
+            {"kind": "eval", "epoch": 1, "em": 75.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for epoch, rewards in ((0, [0.0, 1.0, 0.0, 0.0]), (1, [1.0, 1.0, 1.0, 0.0])):  # 4 eval questions, slice 2
+        (run / "traces" / f"eval_epoch_{epoch}.jsonl").write_text(
+            "".join(json.dumps({"id": f"q{i}", "reward": r}) + "\n" for i, r in enumerate(rewards)))
+    assert study.dev_curve(run) == [(0, 50.0), (2, 50.0), (3, 100.0)]

@@ -547,7 +547,9 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
         assert [r["dense"] for r in updates[2:]] == ([False] * 2 if arm == "outcome" else [True] * 2)
         assert [(r["kind"], r["epoch"]) for r in rows if r["kind"] != "update"] == \
             [("eval", 0), ("curve", 1), ("eval", 1), ("curve", 2), ("eval", 2)]
+        final = read_jsonl(root / f"{arm}-s0" / "traces" / "eval_epoch_2.jsonl")[:2]    # on the curve's slice
         assert len(study.dev_curve(root / f"{arm}-s0")) == 5
+        assert study.dev_curve(root / f"{arm}-s0")[-1] == (4, 100.0 * sum(t["reward"] for t in final) / 2)
         batch0 = [t for t in read_jsonl(root / f"{arm}-s0" / "traces" / "epoch_2.jsonl") if t["batch"] == 0]
         first[arm] = [(t["id"], [st["output"] for st in t["steps"]]) for t in batch0]
         if arm in ("arco", "mixed"):
