@@ -1634,8 +1634,8 @@ def policy_dev_rollouts(args, out_dir: Path, retriever, policy: Path | None = No
 
 
 def policy_dev_auc(mu, trajs: Sequence[env.Trajectory], gen_batch: int, max_new_tokens: int = 128) -> dict:
-    """μ's step credit on π_sft's own rollouts (policy_dev_rollouts), before any RL: the AUC of s_t for useful
-    vs useless steps (env.step_usefulness) by step type (study.py ladder shows each μ's)."""
+    """μ's step credit on a policy's own rollouts (policy_dev_rollouts: π_sft's before any RL, or a saved π's):
+    the AUC of s_t for useful vs useless steps (env.step_usefulness) by step type (study.py shows each μ's)."""
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
     mu.eval()
     with torch.no_grad():
@@ -1644,7 +1644,7 @@ def policy_dev_auc(mu, trajs: Sequence[env.Trajectory], gen_batch: int, max_new_
     labels = [u for t in trajs for u in env.step_usefulness(t)]
     out = {"questions": len(trajs), "steps": len(steps), "useful_share": sum(labels) / max(1, len(labels)),
            **auc_by_step_type(scores.s.tolist(), labels, [st.action if st.valid else None for st in steps])}
-    print(f"[warmup] μ's AUC on π_sft's own dev steps: search {out['search']}, finish {out['finish']}", flush=True)
+    print(f"[warmup] μ's AUC on the policy's own dev steps: search {out['search']}, finish {out['finish']}", flush=True)
     return out
 
 
