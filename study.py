@@ -127,11 +127,18 @@ def ladder(argv: Sequence[str], rows: Sequence[str]) -> Path:
         done[row] = {"mu": name, "settings": LADDER[row], "command": ladder_command(row),
                      **warmup.policy_dev_auc(mu, trajs, base.gen_batch, base.max_new_tokens_mu),
                      "position": position_auc(trajs), "sft": mu_sft_facts(folder, name)}
-        done = {**(json.loads(path.read_text()) if path.is_file() else {}), row: done[row]}   # another ladder
-        env.write_json(path, done)                                                           # process's rows kept
+        done = keep_row(path, row, done[row])
     (out / "ladder.md").write_text(ladder_markdown(done), encoding="utf-8")
     print(ladder_markdown(done))
     return out
+
+
+def keep_row(path: Path, key: str, row: dict) -> dict:
+    """Add `row` under `key` to the JSON file at `path`, read again first: another of the study's processes
+    may have added its own rows since this one read it. Returns the file's rows."""
+    done = {**(json.loads(path.read_text()) if path.is_file() else {}), key: row}
+    env.write_json(path, done)
+    return done
 
 
 def ladder_command(row: str) -> str:
@@ -150,12 +157,18 @@ def fmt(v) -> str:
     return "–" if v is None else f"{v:.2f}"
 
 
+def auc_table(heads: Sequence[str], rows: Iterable[tuple[Sequence[str], dict]]) -> str:
+    """μ's step AUC beside the position-only baseline (policy_dev_auc and position_auc rows), one line each,
+    after the row's own cells (`heads` names them)."""
+    lines = [f"| {' | '.join(cells)} | **{fmt(d['search'])}** / {fmt(d['position']['search'])} | "
+             f"**{fmt(d['finish'])}** / {fmt(d['position']['finish'])} | {fmt(d['all'])} | {d['steps']} |"
+             for cells, d in rows]
+    return (f"| {' | '.join(heads)} | search: μ / position | finish: μ / position | all | steps |\n"
+            f"|{'---|' * (len(heads) + 4)}\n" + "\n".join(lines) + "\n")
+
+
 def ladder_markdown(done: dict) -> str:
-    rows = [f"| {row} | `{d['mu']}` | **{fmt(d['search'])}** / {fmt(d['position']['search'])} | "
-            f"**{fmt(d['finish'])}** / {fmt(d['position']['finish'])} | {fmt(d['all'])} | {d['steps']} |"
-            for row, d in done.items()]
-    return ("| row | μ folder | search: μ / position | finish: μ / position | all | steps |\n"
-            "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    return auc_table(["row", "μ folder"], (([row, f"`{d['mu']}`"], d) for row, d in done.items()))
 
 
 # --- sparse, then fork ---------------------------------------------------------------------------------------------
@@ -231,17 +244,12 @@ def fork_mu_auc(base: arco.Args, warm: Path, forks: Iterable[Path], path: Path) 
                 row = {"mu": mu_name, "player": player, "position": position_auc(trajs[player]),
                        **warmup.policy_dev_auc(mu, trajs[player], base.gen_batch, base.max_new_tokens_mu)}
                 del mu
-                done = {**(json.loads(path.read_text()) if path.is_file() else {}), **done, key: row}
-                env.write_json(path, done)
+                done = keep_row(path, key, row)
     return done
 
 
 def fork_mu_markdown(done: dict) -> str:
-    rows = [f"| {d['mu']} | {d['player']} | **{fmt(d['search'])}** / {fmt(d['position']['search'])} | "
-            f"**{fmt(d['finish'])}** / {fmt(d['position']['finish'])} | {fmt(d['all'])} | {d['steps']} |"
-            for d in done.values()]
-    return ("| μ | rollouts of | search: μ / position | finish: μ / position | all | steps |\n"
-            "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    return auc_table(["μ", "rollouts of"], (([d["mu"], d["player"]], d) for d in done.values()))
 
 
 def credit_summary(updates: Sequence[dict]) -> dict:
