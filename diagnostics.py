@@ -839,22 +839,35 @@ def split_by_settings(groups: dict[str, list[dict]], by_run: dict[str, Run]) -> 
     return out
 
 
+def outcome_baseline(groups: dict[str, list[dict]], by_run: dict[str, Run]) -> str | None:
+    """The group every other one is paired against ("Δ EM vs outcome RL"): outcome RL. When outcome RL ran at
+    several settings (the fork study's control at ARCO's dense π rate and λ_π beside it), the one whose
+    settings the other methods' runs share (outcome RL as a user would run it instead of them); ties: the first."""
+    labels = [m for m in groups if m.startswith("outcome RL")]
+    if len(labels) < 2:
+        return labels[0] if labels else None
+    first = {m: by_run[groups[m][0]["run"]].args for m in labels}
+    split = {k for a in first.values() for k in a if any(b.get(k) != a[k] for b in first.values())} - NOT_SETTINGS
+    others = [by_run[r["run"]].args for m, rs in groups.items() if m not in labels for r in rs]
+    return max(labels, key=lambda m: sum(all(o.get(k) == first[m].get(k) for k in split) for o in others))
+
+
 def method_rows(rows: Sequence[dict], runs: Sequence[Run]) -> list[dict]:
     """One row per method over its runs (seeds): EM and F1 as mean ± half the range over the runs, the
     SFT-only EM of the same runs' dev questions (each run's epoch 0), and the paired difference to it
-    pooled over every run's questions with its 95% interval: beyond noise when the interval excludes 0."""
+    pooled over every run's questions with its 95% interval: beyond noise when the interval excludes 0; and the
+    paired difference to outcome RL of the same seed (`outcome_baseline`), pooled the same way."""
     by_run = {str(r.dir): r for r in runs}
     groups: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         if row.get("run"):
             groups[method_of(row)].append(row)
     groups = split_by_settings(groups, by_run)
-    outcome: dict = {}                   # outcome RL's per-question EM, keyed (seed, question): the arms' baseline
-    for method, members in groups.items():
-        if method.startswith("outcome RL"):
-            for row in members:
-                run = by_run[row["run"]]
-                outcome.update({(run.args.get("seed"), q): v for q, v in question_em(run, run.epoch).items()})
+    base = outcome_baseline(groups, by_run)
+    outcome: dict = {}                   # the baseline's per-question EM, keyed (seed, question)
+    for row in groups.get(base, []):
+        run = by_run[row["run"]]
+        outcome.update({(run.args.get("seed"), q): v for q, v in question_em(run, run.epoch).items()})
     out = []
     for method, members in groups.items():
         before, after, sft = {}, {}, []
@@ -872,7 +885,7 @@ def method_rows(rows: Sequence[dict], runs: Sequence[Run]) -> list[dict]:
         out.append({"method": method, "runs": len(members), "em": em[0], "em_spread": em[1], "f1": f1[0],
                     "f1_spread": f1[1], "sft_only_em": sum(sft) / len(sft) if sft else None,
                     "vs_sft_only": paired_difference(before, after),
-                    "vs_outcome": None if method.startswith("outcome RL") or not outcome else
+                    "vs_outcome": None if method == base or not outcome else
                     paired_difference(outcome, by_seed)})
     return out
 

@@ -15,7 +15,8 @@ is kept; an unfinished run resumes), each taking arco.py's flags after its own:
                                                    transition (same weights, μ, optimizer states, same first dense
                                                    batch): outcome RL continuing, ARCO, the mixed arm, the causal and
                                                    projection oracles, ARCO w/o Rubric (its own sparse phase with a
-                                                   rubric-free μ: π's sparse updates do not read μ). The table (Δ EM
+                                                   rubric-free μ: π's sparse updates do not read μ), outcome RL at
+                                                   the dense phase's π rate and λ_π. The table (Δ EM
                                                    vs outcome RL of the same seed, paired 95% intervals), μ's AUC
                                                    through the sparse phase and at the fork, per-update credit
                                                    statistics, the learning curves: <out-dir>/synthetic-long/study/
@@ -78,7 +79,11 @@ ARMS = {"outcome": ("sparse", dict(reward="outcome")),                       # R
         "mixed": ("sparse", dict(mixed=True)),                               # outcome + μ's dense advantage
         "causal-oracle": ("sparse", dict(credit="causal")),                  # G_t = R − Φ(h_t)
         "projection-oracle": ("sparse", dict(credit="projection")),          # the issue-33 ceiling (sees the future)
-        "arco-norubric": ("sparse-norubric", dict(rubric="none"))}          # its own μ, its own sparse phase
+        "arco-norubric": ("sparse-norubric", dict(rubric="none")),         # its own μ, its own sparse phase
+        # A control beyond the issue: outcome RL at the dense phase's π rate and λ_π (ARCO's), so that ARCO's
+        # difference to it is μ's credit alone, not the cooler update.
+        "outcome-dense": ("sparse", lambda base: dict(reward="outcome", pi_lr_sparse=base.pi_lr_dense,
+                                                      kl_pi_sparse=base.kl_pi_dense))}
 SPARSE = {"sparse": dict(), "sparse-norubric": dict(rubric="none")}
 ARGS_FIELDS = {f.name for f in dataclasses.fields(arco.Args)}
 
@@ -191,6 +196,7 @@ def fork_study(argv: Sequence[str], seeds: Sequence[int], arms: Sequence[str], f
     for seed in seeds:                       # a seed's sparse phase, then its arms: results come in whole
         for arm in arms:
             parent, own = ARMS[arm]
+            own = own(base) if callable(own) else own
             sparse = run_once(study_args(argv, **SPARSE[parent], epochs=base.sparse_epochs, warmup_dir=warm,
                                          seed=seed, name=f"{parent}-s{seed}"))
             fork_at = sparse / "checkpoints" / f"epoch_{base.sparse_epochs}"

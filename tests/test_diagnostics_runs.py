@@ -161,6 +161,30 @@ def test_method_rows_keep_runs_of_different_settings_apart(tmp_path):
     assert len(dg.method_rows(rows[:2], runs[:2])) == 2
 
 
+def test_the_arms_pair_against_outcome_rl_at_their_own_sparse_settings(tmp_path):
+    # Seed 0 on questions q1, q2 (EM at the end): outcome RL at the sparse π rate 2e-4 gets 1, 0; the control at
+    # ARCO's dense rate 6e-5 (listed after it, so a shared baseline would be overwritten by it) gets 0, 0; ARCO,
+    # whose runs share the rate 2e-4, gets 1, 1. Paired on (seed, question): ARCO − outcome RL = 0, 100 → 50;
+    # control − outcome RL = −100, 0 → −50 (half-width 1.96 · 70.71 / √2 = 98); outcome RL itself: none.
+    runs, rows = [], []
+    for name, reward, lr, em in (("outcome-s0", "outcome", 2e-4, (1, 0)), ("outcome-dense-s0", "outcome", 6e-5, (0, 0)),
+                                 ("arco-s0", "arco", 2e-4, (1, 1))):
+        folder = tmp_path / name
+        (folder / "traces").mkdir(parents=True)
+        for epoch, ems in ((0, (0, 0)), (1, em)):
+            (folder / "traces" / f"eval_epoch_{epoch}.jsonl").write_text(
+                "".join(json.dumps({"id": q, "reward": r}) + "\n" for q, r in zip(("q1", "q2"), ems)))
+        runs.append(dg.Run(folder, name, {"reward": reward, "seed": 0, "name": name, "pi_lr_sparse": lr},
+                           "epoch_1", 1, True, tmp_path))
+        rows.append({"system": name, "run": str(folder), "reward": reward, "rubric": "adaptive", "em": 50.0 * sum(em),
+                     "f1": 0.0})
+    got = {m["method"]: m["vs_outcome"] for m in dg.method_rows(rows, runs)}
+    assert got["outcome RL (--pi-lr-sparse 0.0002)"] is None
+    assert got["ARCO"] == pytest.approx({"n": 2, "delta_em": 50.0, "half_width": 1.96 * 2 ** 0.5 * 50 / 2 ** 0.5})
+    assert got["outcome RL (--pi-lr-sparse 6e-05)"] == pytest.approx({"n": 2, "delta_em": -50.0,
+                                                                      "half_width": 1.96 * 2 ** 0.5 * 50 / 2 ** 0.5})
+
+
 def test_comparison_of_two_runs_reuses_their_own_evaluations(runs, monkeypatch, capsys):
     no_evaluation(monkeypatch)
     arco_dir, outcome_dir = runs / "arco", runs / "outcome"
@@ -501,7 +525,7 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
     then each arm forked from its last checkpoint: every arm starts from the same π, μ and optimizer states
     (the rubric-free arm from its own sparse run), shares the sparse phase's logs, and draws the same first
     dense batch; the curves have a point every --eval-every updates; the table pairs each arm with outcome RL
-    of the same seed; a second call finds every run finished and trains nothing."""
+    of the same seed (at the sparse settings, not the control at the dense ones); a second call finds every run finished and trains nothing."""
     argv = tiny_args(tiny_dir, tmp_path, train_size=4, eval_size=3, group_size=2, dense_samples=2, batch_size=4,
                      epochs=2, sparse_epochs=1, warmup_size=4, sft_eval_size=3, eval_every=1, curve_size=2)
     argv = [a for a in argv if a not in ("--dataset", "synthetic")]          # the study's synthetic-long
@@ -544,7 +568,7 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
         assert [(r["epoch"], r["trajectories"], r["questions"]) for r in updates] == [(1, 4, 2)] * 2 + [(2, 4, 2)] * 2
         if arm != "arco-norubric":
             assert [r["mean_R"] for r in updates[:2]] == [r["mean_R"] for r in sparse if r["kind"] == "update"]
-        assert [r["dense"] for r in updates[2:]] == ([False] * 2 if arm == "outcome" else [True] * 2)
+        assert [r["dense"] for r in updates[2:]] == ([False] * 2 if arm.startswith("outcome") else [True] * 2)
         assert [(r["kind"], r["epoch"]) for r in rows if r["kind"] != "update"] == \
             [("eval", 0), ("curve", 1), ("eval", 1), ("curve", 2), ("eval", 2)]
         final = read_jsonl(root / f"{arm}-s0" / "traces" / "eval_epoch_2.jsonl")[:2]    # on the curve's slice
@@ -560,6 +584,13 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
     fork = json.loads((out / "fork.json").read_text())
     vs = [m for m in fork["comparison"]["methods"] if m["method"] == "causal oracle"][0]["vs_outcome"]
     assert vs["n"] == 3                                         # the 3 dev questions, paired
+    sparse_args, control = (json.loads((root / f"{r}-s0" / "args.json").read_text()) for r in ("sparse", "outcome-dense"))
+    assert (control["reward"], control["pi_lr_sparse"], control["kl_pi_sparse"]) == \
+        ("outcome", sparse_args["pi_lr_dense"], sparse_args["kl_pi_dense"])       # the control: ARCO's dense rate
+    outcomes = {m["method"]: m["vs_outcome"] for m in fork["comparison"]["methods"] if m["method"].startswith("outcome")}
+    assert len(outcomes) == 2 and [v is None for v in outcomes.values()].count(True) == 1   # one is the baseline
+    assert outcomes[f"outcome RL (--kl-pi-sparse {sparse_args['kl_pi_sparse']}, --pi-lr-sparse "
+                    f"{sparse_args['pi_lr_sparse']})"] is None
     assert len(fork["update_aucs"]["sparse-s0"]) == 2 and "decomposition_mse" in fork["update_aucs"]["sparse-s0"][0]
     assert (out / "study_dev_em.png").stat().st_size > 1000
     forks = sorted(root / f"{r}-s0" / "checkpoints" / "epoch_1" for r in ("sparse", "sparse-norubric"))
