@@ -90,13 +90,21 @@ def check_args(cls: type, args) -> None:
 def main_guard(main, *errors: type) -> None:
     """Run a script's main(). What the user can fix — a UsageError, a sys.exit("error: ..."), or one of the
     script's `errors` (a data error, a model that cannot be loaded) — is printed as one `error:` line with
-    exit status 2; any other exception keeps its traceback (a bug). ARCO_TRACEBACK=1 keeps it for all."""
+    exit status 2; a Ctrl-C that no part of the script catches (one before RL's first batch, say) as one
+    `interrupted` line with status 130; any other exception keeps its traceback (a bug). ARCO_TRACEBACK=1 keeps
+    it for all."""
     steady_heap()
     try:
         try:
             main()
         except errors as e:
             raise UsageError(str(e)) from e
+        except KeyboardInterrupt:
+            if os.environ.get("ARCO_TRACEBACK") == "1":
+                raise
+            print("interrupted before anything of this step was saved: rerun the same command (a run with "
+                  "--resume) to continue from what was", file=sys.stderr)
+            sys.exit(130)
     except SystemExit as e:
         if not (isinstance(e.code, str) and e.code.startswith("error:")):
             raise

@@ -55,6 +55,19 @@ def run_guarded(module, argv, capsys) -> tuple[int, list[str]]:
     return exit_.value.code, capsys.readouterr().err.strip().splitlines()
 
 
+def test_a_ctrl_c_nothing_caught_is_one_line_not_a_traceback(capsys, monkeypatch):
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.delenv("ARCO_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main_guard(interrupted)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 130 and len(err) == 1 and err[0].startswith("interrupted")
+    monkeypatch.setenv("ARCO_TRACEBACK", "1")
+    with pytest.raises(KeyboardInterrupt):
+        evaluate.main_guard(interrupted)
+
+
 @pytest.fixture
 def no_model(monkeypatch, tmp_path):
     """Loading a model or a retriever fails the test; the working folder is empty and must stay so."""
