@@ -22,7 +22,9 @@ is kept; an unfinished run resumes), each taking arco.py's flags after its own:
                                                    statistics, the learning curves: <out-dir>/synthetic-long/study/
                                                    (seeds run as separate processes each write it for their own
                                                    seeds: the command with every seed rebuilds it from the
-                                                   finished runs, running nothing again)
+                                                   finished runs, running nothing again; a run another
+                                                   process is running is refused, so once a seed has forked
+                                                   its arms may run as parallel processes with their own --arms)
 
 The settings every run of the study shares are STUDY below; the dense phase takes the release's ratios to
 the sparse one (CHOICES.md, "the credit study").
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -179,13 +182,33 @@ def ladder_markdown(done: dict) -> str:
 # --- sparse, then fork ---------------------------------------------------------------------------------------------
 
 def run_once(args: arco.Args) -> Path:
-    """One run of the study: skipped when finished, resumed when started."""
+    """One run of the study: skipped when finished, resumed when started; refused while another process runs
+    it (so the arms of one seed can run in parallel processes, each with its own --arms, once its fork exists)."""
     run_dir = Path(args.out_dir) / args.dataset / args.name
     if (run_dir / "selection.json").is_file():
         return run_dir
+    owner = run_dir / "running.pid"                       # plumbing: which process runs it now
+    if owner.is_file() and alive(int(owner.read_text() or 0)):
+        sys.exit(f"error: {run_dir} is being run by process {owner.read_text()}: give each study.py process its "
+                 "own --seeds or --arms")
     args.resume = (run_dir / "args.json").is_file()
     print(f"[study] {args.name}: {'resuming' if args.resume else 'starting'}", flush=True)
-    return arco.run(args)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    owner.write_text(str(os.getpid()))
+    try:
+        return arco.run(args)
+    finally:
+        owner.unlink(missing_ok=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                               # someone else's process
+        return True
+    return pid > 0
 
 
 def fork_study(argv: Sequence[str], seeds: Sequence[int], arms: Sequence[str], figures: str = "") -> Path:

@@ -10,8 +10,11 @@ numbers are known.
 """
 import html
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -609,3 +612,22 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
     study.fork_study(argv, [0], arms)
     assert started == {} and players == [] and judges == []
     assert stamps == {arm: (root / f"{arm}-s0" / "metrics.jsonl").stat().st_mtime_ns for arm in arms}
+
+
+def test_a_study_run_another_process_is_running_is_refused(tmp_path, monkeypatch, capsys):
+    """study.run_once marks the run it runs with its process id: a second process refuses a run whose marker
+    names a live process, takes over one whose process is gone, and removes its marker when the run ends."""
+    args = arco.Args(out_dir=str(tmp_path), dataset="synthetic-long", name="arco-s2")
+    run_dir = tmp_path / "synthetic-long" / "arco-s2"
+    seen = []
+    monkeypatch.setattr(arco, "run", lambda a: seen.append((run_dir / "running.pid").read_text()) or run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / "running.pid").write_text(str(os.getppid()))               # a live process (pytest's parent)
+    with pytest.raises(SystemExit) as exit_:
+        study.run_once(args)
+    assert str(exit_.value.code).startswith("error:") and "arco-s2" in str(exit_.value.code) and seen == []
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run_dir / "running.pid").write_text(str(dead.pid))                     # its process has ended
+    assert study.run_once(args) == run_dir and seen == [str(os.getpid())]
+    assert not (run_dir / "running.pid").exists()
