@@ -20,11 +20,12 @@ is kept; an unfinished run resumes), each taking arco.py's flags after its own:
                                                    vs outcome RL of the same seed, paired 95% intervals), μ's AUC
                                                    through the sparse phase and at the fork, per-update credit
                                                    statistics, the learning curves: <out-dir>/synthetic-long/study/
-                                                   (seeds run as separate processes each write it for their own
-                                                   seeds: the command with every seed rebuilds it from the
-                                                   finished runs, running nothing again; a run another
-                                                   process is running is refused, so once a seed has forked
-                                                   its arms may run as parallel processes with their own --arms)
+                                                   over every finished arm of the given seeds, whichever process
+                                                   ran it (seeds run as separate processes each write it for
+                                                   their own seeds: the command with every seed rebuilds it,
+                                                   running nothing again). A run another process is running is
+                                                   refused, so once a seed has forked its arms may run as
+                                                   parallel processes, each with its own --arms
 
 The settings every run of the study shares are STUDY below; the dense phase takes the release's ratios to
 the sparse one (CHOICES.md, "the credit study").
@@ -215,7 +216,6 @@ def fork_study(argv: Sequence[str], seeds: Sequence[int], arms: Sequence[str], f
     base = study_args(argv)
     root = Path(base.out_dir) / base.dataset
     warm = str(root / "study-warmup")
-    dirs: dict[str, list[Path]] = defaultdict(list)
     for seed in seeds:                       # a seed's sparse phase, then its arms: results come in whole
         for arm in arms:
             parent, own = ARMS[arm]
@@ -223,9 +223,11 @@ def fork_study(argv: Sequence[str], seeds: Sequence[int], arms: Sequence[str], f
             sparse = run_once(study_args(argv, **SPARSE[parent], epochs=base.sparse_epochs, warmup_dir=warm,
                                          seed=seed, name=f"{parent}-s{seed}"))
             fork_at = sparse / "checkpoints" / f"epoch_{base.sparse_epochs}"
-            dirs[arm].append(run_once(study_args(argv, **own, warmup_dir=warm, seed=seed, name=f"{arm}-s{seed}",
-                                                 fork_from=str(fork_at))))
-    return fork_report(base, root, dirs, figures)
+            run_once(study_args(argv, **own, warmup_dir=warm, seed=seed, name=f"{arm}-s{seed}", fork_from=str(fork_at)))
+    # The report: every finished arm of these seeds, whichever process ran it (the one-seed arms included).
+    dirs = {arm: [d for d in (root / f"{arm}-s{seed}" for seed in seeds) if (d / "selection.json").is_file()]
+            for arm in ARMS}
+    return fork_report(base, root, {arm: ds for arm, ds in dirs.items() if ds}, figures)
 
 
 def update_aucs(run_dir: Path) -> list[dict]:

@@ -609,8 +609,10 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
     assert fork["credit_summary"]["arco-s0"]["updates"] == 2                        # the dense updates only
     stamps = {arm: (root / f"{arm}-s0" / "metrics.jsonl").stat().st_mtime_ns for arm in arms}
     started.clear(), players.clear(), judges.clear()
-    study.fork_study(argv, [0], arms)
+    study.fork_study(argv, [0], ["outcome"])             # one arm asked for: the report has every finished arm
     assert started == {} and players == [] and judges == []
+    assert {m["method"] for m in json.loads((out / "fork.json").read_text())["comparison"]["methods"]} == \
+        {m["method"] for m in fork["comparison"]["methods"]}
     assert stamps == {arm: (root / f"{arm}-s0" / "metrics.jsonl").stat().st_mtime_ns for arm in arms}
 
 
