@@ -842,14 +842,17 @@ def split_by_settings(groups: dict[str, list[dict]], by_run: dict[str, Run]) -> 
 def outcome_baseline(groups: dict[str, list[dict]], by_run: dict[str, Run]) -> str | None:
     """The group every other one is paired against ("Δ EM vs outcome RL"): outcome RL. When outcome RL ran at
     several settings (the fork study's control at ARCO's dense π rate and λ_π beside it), the one whose
-    settings the other methods' runs share (outcome RL as a user would run it instead of them); ties: the first."""
-    labels = [m for m in groups if m.startswith("outcome RL")]
+    settings the other methods' runs share most (outcome RL as a user would run it instead of them): counted
+    over the settings that tell the outcome groups apart; ties (no other method given, say) go to the label
+    that sorts first, whatever the order of the runs."""
+    labels = sorted(m for m in groups if m.startswith("outcome RL"))
     if len(labels) < 2:
         return labels[0] if labels else None
     first = {m: by_run[groups[m][0]["run"]].args for m in labels}
-    split = {k for a in first.values() for k in a if any(b.get(k) != a[k] for b in first.values())} - NOT_SETTINGS
+    split = {k for a in first.values() for k in a if any(b.get(k) != a[k] for b in first.values())} \
+        - NOT_SETTINGS - UNUSED_BY_OUTCOME
     others = [by_run[r["run"]].args for m, rs in groups.items() if m not in labels for r in rs]
-    return max(labels, key=lambda m: sum(all(o.get(k) == first[m].get(k) for k in split) for o in others))
+    return max(labels, key=lambda m: sum(o.get(k) == first[m].get(k) for o in others for k in split))
 
 
 def method_rows(rows: Sequence[dict], runs: Sequence[Run]) -> list[dict]:
@@ -863,11 +866,12 @@ def method_rows(rows: Sequence[dict], runs: Sequence[Run]) -> list[dict]:
         if row.get("run"):
             groups[method_of(row)].append(row)
     groups = split_by_settings(groups, by_run)
+    final = {row["run"]: question_em(by_run[row["run"]], by_run[row["run"]].epoch) for rs in groups.values()
+             for row in rs}
+    same_seed = lambda members: {(by_run[row["run"]].args.get("seed"), q): v for row in members   # noqa: E731
+                                 for q, v in final[row["run"]].items()}
     base = outcome_baseline(groups, by_run)
-    outcome: dict = {}                   # the baseline's per-question EM, keyed (seed, question)
-    for row in groups.get(base, []):
-        run = by_run[row["run"]]
-        outcome.update({(run.args.get("seed"), q): v for q, v in question_em(run, run.epoch).items()})
+    outcome = {m: same_seed(rs) for m, rs in groups.items() if m.startswith("outcome RL")}   # keyed (seed, question)
     out = []
     for method, members in groups.items():
         before, after, sft = {}, {}, []
@@ -880,13 +884,14 @@ def method_rows(rows: Sequence[dict], runs: Sequence[Run]) -> list[dict]:
                 sft.append(sum(b.values()) / len(b))
         spread = lambda v: (sum(v) / len(v), (max(v) - min(v)) / 2) if v else (None, None)   # noqa: E731
         em, f1 = spread([m["em"] for m in members]), spread([m["f1"] for m in members])
-        by_seed = {(by_run[row["run"]].args.get("seed"), q): v for row in members
-                   for q, v in question_em(by_run[row["run"]], by_run[row["run"]].epoch).items()}
+        by_seed = same_seed(members)
         out.append({"method": method, "runs": len(members), "em": em[0], "em_spread": em[1], "f1": f1[0],
                     "f1_spread": f1[1], "sft_only_em": sum(sft) / len(sft) if sft else None,
                     "vs_sft_only": paired_difference(before, after),
-                    "vs_outcome": None if method == base or not outcome else
-                    paired_difference(outcome, by_seed)})
+                    "vs_outcome": None if method == base or base is None else
+                    paired_difference(outcome[base], by_seed),
+                    "vs_other_outcome": {m: paired_difference(em_, by_seed) for m, em_ in outcome.items()
+                                         if m not in (base, method)}})
     return out
 
 
@@ -940,6 +945,14 @@ def comparison_markdown(comp: dict) -> str:
                   "Δ EM vs SFT only ± 95% (pooled)": delta(m["vs_sft_only"]),
                   "Δ EM vs outcome RL, same seed ± 95%": delta(m.get("vs_outcome"))} for m in comp["methods"]]
         lines += ["By method, over its runs (seeds):", "", format_table(mrows, list(mrows[0])), ""]
+        others = dict.fromkeys(o for m in comp["methods"] for o in m.get("vs_other_outcome") or {})
+        if others:                       # outcome RL at several settings: the column's baseline, then the rest
+            base = next(m["method"] for m in comp["methods"] if m["method"].startswith("outcome RL")
+                        and m["vs_outcome"] is None)
+            lines += [f"Outcome RL ran at several settings: the column pairs with {base}."]
+            lines += [f"Paired with {other} instead (same seed ± 95%): " + "; ".join(
+                f"{m['method']} {delta(m['vs_other_outcome'][other])}" for m in comp["methods"]
+                if other in m["vs_other_outcome"]) for other in others] + [""]
     lines += ["Sources:", ""]
     lines += [f"- {r['system']}: {r['source']}" for r in comp["rows"]]
     return "\n".join(lines) + "\n"

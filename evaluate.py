@@ -102,8 +102,8 @@ def main_guard(main, *errors: type) -> None:
         except KeyboardInterrupt:
             if os.environ.get("ARCO_TRACEBACK") == "1":
                 raise
-            print("interrupted before anything of this step was saved: rerun the same command (a run with "
-                  "--resume) to continue from what was", file=sys.stderr)
+            print("interrupted: nothing of this step was saved; rerun the same command (a run with --resume) to "
+                  "continue from its last checkpoint", file=sys.stderr)
             sys.exit(130)
     except SystemExit as e:
         if not (isinstance(e.code, str) and e.code.startswith("error:")):

@@ -33,6 +33,7 @@ the sparse one (CHOICES.md, "the credit study").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -85,7 +86,8 @@ ARMS = {"outcome": ("sparse", dict(reward="outcome")),                       # R
         "projection-oracle": ("sparse", dict(credit="projection")),          # the issue-33 ceiling (sees the future)
         "arco-norubric": ("sparse-norubric", dict(rubric="none")),         # its own μ, its own sparse phase
         # A control beyond the issue: outcome RL at the dense phase's π rate and λ_π (ARCO's), so that ARCO's
-        # difference to it is μ's credit alone, not the cooler update.
+        # difference to it is μ's credit alone, not the cooler update (the report pairs each arm with it too).
+        # Its settings follow the command line's dense ones: a function of the study's arguments.
         "outcome-dense": ("sparse", lambda base: dict(reward="outcome", pi_lr_sparse=base.pi_lr_dense,
                                                       kl_pi_sparse=base.kl_pi_dense))}
 SPARSE = {"sparse": dict(), "sparse-norubric": dict(rubric="none")}
@@ -188,28 +190,29 @@ def run_once(args: arco.Args) -> Path:
     run_dir = Path(args.out_dir) / args.dataset / args.name
     if (run_dir / "selection.json").is_file():
         return run_dir
-    owner = run_dir / "running.pid"                       # plumbing: which process runs it now
-    if owner.is_file() and alive(int(owner.read_text() or 0)):
-        sys.exit(f"error: {run_dir} is being run by process {owner.read_text()}: give each study.py process its "
-                 "own --seeds or --arms")
-    args.resume = (run_dir / "args.json").is_file()
-    print(f"[study] {args.name}: {'resuming' if args.resume else 'starting'}", flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    owner.write_text(str(os.getpid()))
-    try:
+    with held(run_dir):
+        args.resume = (run_dir / "args.json").is_file()
+        print(f"[study] {args.name}: {'resuming' if args.resume else 'starting'}", flush=True)
         return arco.run(args)
-    finally:
-        owner.unlink(missing_ok=True)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:                               # someone else's process
-        return True
-    return pid > 0
+@contextlib.contextmanager
+def held(run_dir: Path):
+    """Plumbing: an exclusive lock on <run_dir>/running.lock (holding the owner's process id) while the run runs;
+    the system drops it when its process ends, however it ends. The file stays (removing a lock file races)."""
+    import fcntl
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "running.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            sys.exit(f"error: {run_dir} is being run by process {f.read().strip() or '?'}: give each study.py process "
+                     "its own --seeds or --arms (a seed's arms in parallel only once its sparse phase is done)")
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
 
 
 def fork_study(argv: Sequence[str], seeds: Sequence[int], arms: Sequence[str], figures: str = "") -> Path:

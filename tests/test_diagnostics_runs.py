@@ -13,8 +13,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -165,27 +163,34 @@ def test_method_rows_keep_runs_of_different_settings_apart(tmp_path):
 
 
 def test_the_arms_pair_against_outcome_rl_at_their_own_sparse_settings(tmp_path):
-    # Seed 0 on questions q1, q2 (EM at the end): outcome RL at the sparse π rate 2e-4 gets 1, 0; the control at
-    # ARCO's dense rate 6e-5 (listed after it, so a shared baseline would be overwritten by it) gets 0, 0; ARCO,
-    # whose runs share the rate 2e-4, gets 1, 1. Paired on (seed, question): ARCO − outcome RL = 0, 100 → 50;
-    # control − outcome RL = −100, 0 → −50 (half-width 1.96 · 70.71 / √2 = 98); outcome RL itself: none.
+    # Seed 0 on questions q1, q2 (EM at the end): the control at a dense rate 1e-4 gets 0, 0 (listed first, and
+    # its label sorts first: neither order nor name makes it the baseline); outcome RL at the sparse π rate 5e-4
+    # gets 1, 0; ARCO, whose runs share the rate 5e-4, gets 1, 1. ARCO shares the control's --pi-lr-dense, which
+    # outcome RL never reads: it must not count (or the two would tie).
+    # Paired on (seed, question): ARCO − outcome RL = 0, 100 → 50; control − outcome RL = −100, 0 → −50
+    # (half-width 1.96 · 70.71 / √2 = 98); outcome RL itself: none. ARCO − control = 100, 100 → 100 ± 0.
     runs, rows = [], []
-    for name, reward, lr, em in (("outcome-s0", "outcome", 2e-4, (1, 0)), ("outcome-dense-s0", "outcome", 6e-5, (0, 0)),
-                                 ("arco-s0", "arco", 2e-4, (1, 1))):
+    for name, reward, lr, dense_lr, em in (("outcome-dense-s0", "outcome", 1e-4, 6e-5, (0, 0)),
+                                           ("outcome-s0", "outcome", 5e-4, 1e-4, (1, 0)),
+                                           ("arco-s0", "arco", 5e-4, 6e-5, (1, 1))):
         folder = tmp_path / name
         (folder / "traces").mkdir(parents=True)
         for epoch, ems in ((0, (0, 0)), (1, em)):
             (folder / "traces" / f"eval_epoch_{epoch}.jsonl").write_text(
                 "".join(json.dumps({"id": q, "reward": r}) + "\n" for q, r in zip(("q1", "q2"), ems)))
-        runs.append(dg.Run(folder, name, {"reward": reward, "seed": 0, "name": name, "pi_lr_sparse": lr},
-                           "epoch_1", 1, True, tmp_path))
+        runs.append(dg.Run(folder, name, {"reward": reward, "seed": 0, "name": name, "pi_lr_sparse": lr,
+                                          "pi_lr_dense": dense_lr}, "epoch_1", 1, True, tmp_path))
         rows.append({"system": name, "run": str(folder), "reward": reward, "rubric": "adaptive", "em": 50.0 * sum(em),
                      "f1": 0.0})
-    got = {m["method"]: m["vs_outcome"] for m in dg.method_rows(rows, runs)}
-    assert got["outcome RL (--pi-lr-sparse 0.0002)"] is None
+    methods = dg.method_rows(rows, runs)
+    got = {m["method"]: m["vs_outcome"] for m in methods}
+    assert got["outcome RL (--pi-lr-sparse 0.0005)"] is None
     assert got["ARCO"] == pytest.approx({"n": 2, "delta_em": 50.0, "half_width": 1.96 * 2 ** 0.5 * 50 / 2 ** 0.5})
-    assert got["outcome RL (--pi-lr-sparse 6e-05)"] == pytest.approx({"n": 2, "delta_em": -50.0,
+    assert got["outcome RL (--pi-lr-sparse 0.0001)"] == pytest.approx({"n": 2, "delta_em": -50.0,
                                                                       "half_width": 1.96 * 2 ** 0.5 * 50 / 2 ** 0.5})
+    other = {m["method"]: m["vs_other_outcome"] for m in methods}
+    assert other["ARCO"] == {"outcome RL (--pi-lr-sparse 0.0001)": {"n": 2, "delta_em": 100.0, "half_width": 0.0}}
+    assert other["outcome RL (--pi-lr-sparse 0.0001)"] == {}
 
 
 def test_comparison_of_two_runs_reuses_their_own_evaluations(runs, monkeypatch, capsys):
@@ -594,6 +599,7 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
     assert len(outcomes) == 2 and [v is None for v in outcomes.values()].count(True) == 1   # one is the baseline
     assert outcomes[f"outcome RL (--kl-pi-sparse {sparse_args['kl_pi_sparse']}, --pi-lr-sparse "
                     f"{sparse_args['pi_lr_sparse']})"] is None
+    assert f"Paired with outcome RL (--kl-pi-sparse {sparse_args['kl_pi_dense']}, " in table   # ARCO − the control
     assert len(fork["update_aucs"]["sparse-s0"]) == 2 and "decomposition_mse" in fork["update_aucs"]["sparse-s0"][0]
     assert (out / "study_dev_em.png").stat().st_size > 1000
     forks = sorted(root / f"{r}-s0" / "checkpoints" / "epoch_1" for r in ("sparse", "sparse-norubric"))
@@ -616,20 +622,23 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
     assert stamps == {arm: (root / f"{arm}-s0" / "metrics.jsonl").stat().st_mtime_ns for arm in arms}
 
 
-def test_a_study_run_another_process_is_running_is_refused(tmp_path, monkeypatch, capsys):
-    """study.run_once marks the run it runs with its process id: a second process refuses a run whose marker
-    names a live process, takes over one whose process is gone, and removes its marker when the run ends."""
+def test_a_study_run_another_process_is_running_is_refused(tmp_path, monkeypatch):
+    """study.run_once holds an exclusive lock on the run it runs (its process id in the file): a second holder
+    (here another open file, as another process would be) is refused with the owner's id; once the lock is
+    dropped the run goes ahead, this process's id in the file."""
+    import fcntl
     args = arco.Args(out_dir=str(tmp_path), dataset="synthetic-long", name="arco-s2")
     run_dir = tmp_path / "synthetic-long" / "arco-s2"
     seen = []
-    monkeypatch.setattr(arco, "run", lambda a: seen.append((run_dir / "running.pid").read_text()) or run_dir)
+    monkeypatch.setattr(arco, "run", lambda a: seen.append((run_dir / "running.lock").read_text()) or run_dir)
     run_dir.mkdir(parents=True)
-    (run_dir / "running.pid").write_text(str(os.getppid()))               # a live process (pytest's parent)
-    with pytest.raises(SystemExit) as exit_:
-        study.run_once(args)
-    assert str(exit_.value.code).startswith("error:") and "arco-s2" in str(exit_.value.code) and seen == []
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    (run_dir / "running.pid").write_text(str(dead.pid))                     # its process has ended
+    with open(run_dir / "running.lock", "w") as other:
+        other.write("12345")
+        other.flush()
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit) as exit_:
+            study.run_once(args)
+    assert str(exit_.value.code).startswith("error:") and "arco-s2" in str(exit_.value.code) and \
+        "12345" in str(exit_.value.code) and seen == []
     assert study.run_once(args) == run_dir and seen == [str(os.getpid())]
-    assert not (run_dir / "running.pid").exists()
+    assert study.run_once(args) == run_dir and seen == [str(os.getpid())] * 2      # the lock went with the run
