@@ -337,25 +337,44 @@ def dev_curve(run_dir: Path) -> list[tuple[int, float]]:
             for r in rows if r["kind"] in ("eval", "curve")]
 
 
-def train_reward(run_dir: Path) -> list[tuple[int, float]]:
-    return [(i, r["mean_R"]) for i, r in enumerate(
-        (r for r in env.read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "update"), 1)]
+def train_reward(run_dir: Path, window: int = 4) -> list[tuple[int, float]]:
+    """(update, mean R(τ) of the training rollouts over the last `window` updates): one update's 8 rollouts are
+    too few to read (the per-update values are in metrics.jsonl)."""
+    rs = [r["mean_R"] for r in env.read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "update"]
+    return [(i, sum(rs[max(0, i - window):i]) / len(rs[max(0, i - window):i])) for i in range(1, len(rs) + 1)]
+
+
+def study_curves(dirs: dict[str, list[Path]], curve) -> dict[str, list[list[tuple[int, float]]]]:
+    """`curve` of each sparse phase once ("sparse phase", its seeds), then of each arm from its fork on."""
+    out: dict[str, list] = defaultdict(list)
+    for arm, ds in dirs.items():
+        for d in ds:
+            sparse = Path(json.loads((d / "args.json").read_text())["fork_from"]).parent.parent
+            label = "sparse phase" + (", rubric-free μ" if sparse.name.startswith("sparse-norubric") else "")
+            shared = curve(sparse)
+            if shared not in out[label]:
+                out[label].append(shared)
+            out[arm].append([(x, y) for x, y in curve(d) if x >= shared[-1][0]])
+    return {label: out[label] for label in sorted(out, key=lambda k: not k.startswith("sparse"))}
 
 
 def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], path: Path, title: str, ylabel: str) -> None:
-    """Per arm: each seed a thin line, the mean over seeds a thick one (points where every seed has one)."""
+    """Per arm: each seed a thin line, the mean over seeds a thick one (points where every seed has one); the
+    sparse phases in grey."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     fig = Figure(figsize=(7, 4.2), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for i, (arm, series) in enumerate(curves.items()):
-        color = f"C{i}"
+    arms = [arm for arm in curves if not arm.startswith("sparse")]
+    for arm, series in curves.items():
+        color = f"C{arms.index(arm)}" if arm in arms else ("0.35" if arm == "sparse phase" else "0.65")
         for s in series:
             ax.plot([x for x, _ in s], [y for _, y in s], color=color, linewidth=0.7, alpha=0.45)
         xs = sorted(set.intersection(*[{x for x, _ in s} for s in series])) if series else []
         mean = [sum(dict(s)[x] for s in series) / len(series) for x in xs]
-        ax.plot(xs, mean, color=color, linewidth=2.2, marker="o", markersize=3, label=f"{arm} ({len(series)} seeds)")
+        ax.plot(xs, mean, color=color, linewidth=2.2, marker="o", markersize=3,
+                label=f"{arm} ({len(series)} seed{'s' if len(series) > 1 else ''})")
     ax.set(title=title, xlabel="update", ylabel=ylabel)
     ax.grid(alpha=0.3)
     if curves:
@@ -403,12 +422,12 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
                f"{fmt(c['singletons_per_update'])} (terminal {fmt(c['finish_singletons_per_update'])}, A "
                f"{fmt(c['finish_singleton_A'])}); s̄ " + ", ".join(f"{k} {v:+.2f}" for k, v in
                                                                  c["mean_s_by_step"].items()) + "\n")
-    curves = {arm: [dev_curve(d) for d in ds] for arm, ds in dirs.items()}
-    rewards = {arm: [train_reward(d) for d in ds] for arm, ds in dirs.items()}
+    curves, rewards = study_curves(dirs, dev_curve), study_curves(dirs, train_reward)
     for folder in [out] + ([Path(figures)] if figures else []):
         plot_curves(curves, folder / "study_dev_em.png", f"dev EM on {base.curve_size} questions "
                     "(thin: seeds; thick: mean)", "EM (%)")
-        plot_curves(rewards, folder / "study_train_reward.png", "mean R(τ) of the training rollouts", "mean R")
+        plot_curves(rewards, folder / "study_train_reward.png", "mean R(τ) of the training rollouts, last 4 "
+                    "updates (thin: seeds; thick: mean)", "mean R")
     out.mkdir(parents=True, exist_ok=True)
     (out / "fork.md").write_text(md, encoding="utf-8")
     env.write_json(out / "fork.json", {"comparison": comp, "fork_mu": fork_mu, "update_aucs": aucs,

@@ -602,6 +602,10 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
     assert f"Paired with outcome RL (--kl-pi-sparse {sparse_args['kl_pi_dense']}, " in table   # ARCO − the control
     assert len(fork["update_aucs"]["sparse-s0"]) == 2 and "decomposition_mse" in fork["update_aucs"]["sparse-s0"][0]
     assert (out / "study_dev_em.png").stat().st_size > 1000
+    curves = fork["curves"]                         # each sparse phase once, then each arm from its fork (2 updates)
+    assert list(curves)[:2] == ["sparse phase", "sparse phase, rubric-free μ"]
+    assert curves["sparse phase"] == [[list(p) for p in study.dev_curve(root / "sparse-s0")]]
+    assert all(series[0][0][0] == 2 and len(series[0]) == 3 for arm, series in curves.items() if arm in arms)
     forks = sorted(root / f"{r}-s0" / "checkpoints" / "epoch_1" for r in ("sparse", "sparse-norubric"))
     assert players == [None] + [f / "pi" for f in forks]           # π_sft, then each seed's π at the fork, once
     starts = [root / "study-warmup" / ("mu_sft-none" if "norubric" in str(f) else "mu_sft") for f in forks]
@@ -642,3 +646,13 @@ def test_a_study_run_another_process_is_running_is_refused(tmp_path, monkeypatch
         "12345" in str(exit_.value.code) and seen == []
     assert study.run_once(args) == run_dir and seen == [str(os.getpid())]
     assert study.run_once(args) == run_dir and seen == [str(os.getpid())] * 2      # the lock went with the run
+
+
+def test_train_reward_is_the_mean_of_the_last_four_updates_by_hand(tmp_path):
+    # mean_R per update 1, 0, 0, 1, 1 (an evaluation row between): the last ≤ 4 updates' mean at each update:
+    # 1, 1/2, 1/3, 2/4, 2/4.
+    rows = [{"kind": "update", "mean_R": r} for r in (1, 0, 0)] + [{"kind": "eval", "em": 50.0}] + \
+        [{"kind": "update", "mean_R": r} for r in (1, 1)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = study.train_reward(tmp_path)
+    assert [x for x, _ in got] == [1, 2, 3, 4, 5] and [y for _, y in got] == pytest.approx([1, 0.5, 1 / 3, 0.5, 0.5])
