@@ -972,8 +972,11 @@ def credit_stats(trajs, s, A, info) -> dict:
                 by.setdefault(f"{st.action}@{i}", []).append(x)
         excess.append(sum(scores) - t.reward)
         searches.append(sum(st.valid and st.action == "search" for st in t.steps))
-    sd = float(torch.tensor(excess).std()) * float(torch.tensor(searches, dtype=torch.float).std()) if len(trajs) > 1 else 0
-    corr = float(torch.corrcoef(torch.tensor([excess, searches], dtype=torch.float))[0, 1]) if sd > 0 else None
+    sd = (float(torch.tensor(excess).std()), float(torch.tensor(searches, dtype=torch.float).std())) \
+        if len(trajs) > 1 else (0.0, 0.0)
+    # none where either does not vary; Σ_t s_t = R by construction (the oracles) leaves rounding error only
+    corr = float(torch.corrcoef(torch.tensor([excess, searches], dtype=torch.float))[0, 1]) \
+        if sd[0] > 1e-5 and sd[1] > 0 else None
     singletons = []
     if "buckets" in info:
         counts: dict = {}

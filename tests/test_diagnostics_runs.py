@@ -617,6 +617,8 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
                for r in fork["fork_mu"].values())
     assert {"arco-s0", "mixed-s0"} <= set(fork["credit_summary"]) and "outcome-s0" not in fork["credit_summary"]
     assert fork["credit_summary"]["arco-s0"]["updates"] == 2                        # the dense updates only
+    assert all(fork["credit_summary"][f"{o}-oracle-s0"]["corr_excess_searches"] is None   # Σ s = R: nothing to
+               for o in ("causal", "projection"))                                        # correlate
     stamps = {arm: (root / f"{arm}-s0" / "metrics.jsonl").stat().st_mtime_ns for arm in arms}
     started.clear(), players.clear(), judges.clear()
     study.fork_study(argv, [0], ["outcome"])             # one arm asked for: the report has every finished arm

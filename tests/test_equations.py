@@ -204,3 +204,6 @@ def test_credit_stats_by_hand():
     # search_2 holds one step (q1's second search): Eq. 4 gives it advantage 0
     assert stats["singleton_buckets"] == [{"bucket": "search_2", "action": "search", "A": 0.0}]
     assert arco.credit_stats(trajs, None, A, {}) == {}
+    # The oracles' Σ_t s_t = R up to rounding: no correlation of rounding error with length
+    s = torch.tensor([0.1, 0.2, 0.7, 0.3, 0.3, -0.6, 0.3, -0.3]) + 1e-7 * torch.arange(8.0)   # sums 1, 0, 0
+    assert arco.credit_stats(trajs, s, A, info)["corr_excess_searches"] is None
