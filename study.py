@@ -341,21 +341,20 @@ def train_reward(run_dir: Path, window: int = 4) -> list[tuple[int, float]]:
     """(update, mean R(τ) of the training rollouts over the last `window` updates): one update's 8 rollouts are
     too few to read (the per-update values are in metrics.jsonl)."""
     rs = [r["mean_R"] for r in env.read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "update"]
-    return [(i, sum(rs[max(0, i - window):i]) / len(rs[max(0, i - window):i])) for i in range(1, len(rs) + 1)]
+    last = [rs[max(0, i - window):i] for i in range(1, len(rs) + 1)]
+    return [(i, sum(xs) / len(xs)) for i, xs in enumerate(last, 1)]
 
 
-def study_curves(dirs: dict[str, list[Path]], curve) -> dict[str, list[list[tuple[int, float]]]]:
-    """`curve` of each sparse phase once ("sparse phase", its seeds), then of each arm from its fork on."""
+def study_curves(dirs: dict[str, list[Path]], sparse_of: dict[Path, Path], curve) -> dict[str, list]:
+    """`curve` of each sparse phase once ("sparse phase", its seeds), then of each arm from its fork on
+    (`sparse_of`: the sparse run each arm's run forked from)."""
+    shared = {p: curve(p) for p in dict.fromkeys(sparse_of[d] for ds in dirs.values() for d in ds)}   # arms' order
     out: dict[str, list] = defaultdict(list)
+    for p, points in shared.items():
+        out["sparse phase" + (", rubric-free μ" if p.name.startswith("sparse-norubric") else "")].append(points)
     for arm, ds in dirs.items():
-        for d in ds:
-            sparse = Path(json.loads((d / "args.json").read_text())["fork_from"]).parent.parent
-            label = "sparse phase" + (", rubric-free μ" if sparse.name.startswith("sparse-norubric") else "")
-            shared = curve(sparse)
-            if shared not in out[label]:
-                out[label].append(shared)
-            out[arm].append([(x, y) for x, y in curve(d) if x >= shared[-1][0]])
-    return {label: out[label] for label in sorted(out, key=lambda k: not k.startswith("sparse"))}
+        out[arm] = [[(x, y) for x, y in curve(d) if x >= shared[sparse_of[d]][-1][0]] for d in ds]
+    return dict(out)
 
 
 def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], path: Path, title: str, ylabel: str) -> None:
@@ -395,11 +394,12 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
                                                                         else []), check=True)
     comp = json.loads((runs[0] / "comparison.json").read_text())
     md = "# The fork study (issue 41)\n\n" + (runs[0] / "comparison.md").read_text()
-    forks = sorted({Path(json.loads((d / "args.json").read_text())["fork_from"]) for d in runs})
-    sparse = sorted({f.parent.parent for f in forks})
-    aucs = {p.name: update_aucs(p) for p in sparse if (p / "checkpoints").is_dir()}
+    saved = {d: json.loads((d / "args.json").read_text()) for d in runs}         # each run's own arguments
+    forks = sorted({Path(a["fork_from"]) for a in saved.values()})
+    sparse_of = {d: Path(a["fork_from"]).parent.parent for d, a in saved.items()}
+    aucs = {p.name: update_aucs(p) for p in sorted(set(sparse_of.values())) if (p / "checkpoints").is_dir()}
     aucs.update({d.name: update_aucs(d) for d in runs if (d / "traces").is_dir() and arco.uses_mu(
-        arco.Args(**{k: v for k, v in json.loads((d / "args.json").read_text()).items() if k in ARGS_FIELDS}))})
+        arco.Args(**{k: v for k, v in saved[d].items() if k in ARGS_FIELDS}))})
     fork_mu = fork_mu_auc(base, root / "study-warmup", forks, out / "fork_mu.json")
     md += ("\nμ's step AUC at the fork, held out: the warmup μ and each seed's μ at the fork, each writing its own "
            f"rubric, on {warmup.POLICY_PROBE_QUESTIONS} dev questions played once by π_sft and by π at the fork "
@@ -410,12 +410,11 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
                                         for r in rows) + "\n"
     # The oracles' Σ_t s_t = R by construction: logs written before arco.credit_stats knew it correlate rounding
     # error with length, so their correlation is dropped here.
-    exact = {d.name for ds in dirs.values() for d in ds
-             if json.loads((d / "args.json").read_text()).get("credit", "mu") != "mu"}
+    exact = {d.name for d in runs if saved[d].get("credit", "mu") != "mu"}
     stats = {d.name: [{k: None if k == "corr_excess_searches" and d.name in exact else r.get(k)
                        for k in ("epoch", "batch", "dense", "mean_s_by_step", "corr_excess_searches", "singleton_buckets")}
                       for r in env.read_jsonl(d / "metrics.jsonl") if r["kind"] == "update" and "mean_s_by_step" in r]
-             for ds in dirs.values() for d in ds}
+             for d in runs}
     summary = {name: credit_summary([r for r in rows if r["dense"]]) for name, rows in stats.items()
                if any(r["dense"] for r in rows)}
     md += ("\nμ's credit over each arm's dense updates: corr(Σ s − R, searches), mean over updates (> 0: μ pays for "
@@ -426,7 +425,7 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
                f"{fmt(c['singletons_per_update'])} (terminal {fmt(c['finish_singletons_per_update'])}, A "
                f"{fmt(c['finish_singleton_A'])}); s̄ " + ", ".join(f"{k} {v:+.2f}" for k, v in
                                                                  c["mean_s_by_step"].items()) + "\n")
-    curves, rewards = study_curves(dirs, dev_curve), study_curves(dirs, train_reward)
+    curves, rewards = (study_curves(dirs, sparse_of, curve) for curve in (dev_curve, train_reward))
     for folder in [out] + ([Path(figures)] if figures else []):
         plot_curves(curves, folder / "study_dev_em.png", f"dev EM on {base.curve_size} questions "
                     "(thin: seeds; thick: mean)", "EM (%)")
