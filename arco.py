@@ -62,9 +62,9 @@ import torch.distributed as dist
 
 import env
 import warmup
-from evaluate import MEMORY, UsageError, main_guard, parse_args
+from evaluate import MEMORY, UsageError, auc, main_guard, parse_args
 from rubric_model import (ENGINES, HUB_SHAPES, ModelLoadError, RubricModel, add_lora, check_intact, check_model_available,
-                          contexts_from_trajectory, damaged, load_backbone_checkpoint, merge_lora, model_shape,
+                          contexts_from_trajectory, copied_from_prompt, damaged, load_backbone_checkpoint, merge_lora, model_shape,
                           policy_act, policy_sequences, reduce_tokens, resolve_autocast, resolve_device, resolve_dtype,
                           save_backbone, trainable_parameters, training_passes, write_atomically, write_manifest)
 from warmup import dev_rank, fill_from_preset, from_preset, mu_dir_name, preset_table
@@ -139,9 +139,6 @@ class Args(warmup.Settings):
                                              help="dropout of π's and μ's RL LoRA adapters (release 0.05); 0 makes a "
                                                   "torchrun run's updates those of the single-process run")
     max_searches: int | None = field(default=None, metadata={"min": 1, "help": "search budget (default: 3, MuSiQue 6)"})
-    pass_tokens: int | None = from_preset(paper=8192, cpu=1024, min=1, help="most tokens in one training pass "
-                                          "(memory): an update is cut into passes; a trajectory longer than this is "
-                                          "recomputed in μ's backward (checkpointing)")
     warmup_questions: str | None = from_preset(paper="within", cpu="within", choices=["within", "before"],
                                                help="within: RL's training questions and the warmup's are the first "
                                                     "of one seeded order, so the fewer lie among the others (release: "
@@ -395,7 +392,11 @@ def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
         kl_sum += float(p.kl.detach().sum()) if use_kl else 0.0
     loss_sum, mse, kl_sum = gradient_step(optimizer, "rubric-model (Eq. 5)", loss_sum, mse, kl_sum)
     mu.eval()
-    return {"rubric_loss": loss_sum, "decomposition_mse": mse, "kl_mu": kl_sum / max(sum(lens), 1)}
+    with torch.no_grad():       # for the log: the same trajectories' decomposition error after the step (no LM head)
+        after = sum(float(decomposition_loss(mu.step_scores(p.pooled).s.float().cpu(), of[p.index], R, len(trajs)))
+                    for p in passes(mu.backbone, seqs, [0] * len(seqs), args, units=env.step_ranges(trajs)))
+    return {"rubric_loss": loss_sum, "decomposition_mse": mse, "decomposition_mse_after": dp.sum(after)[0],
+            "kl_mu": kl_sum / max(sum(lens), 1)}
 
 
 def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, phase: dict, args: Args, retriever,
@@ -422,9 +423,8 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, phase: dict, ar
     row.update(trajectories=len(trajs), questions=len(batch), mean_R=sum(t.reward for t in trajs) / len(trajs),
                invalid_rate=sum(not st.valid for st in steps) / len(steps),
                mean_s=float(s.mean()) if s is not None else None,
-               rubric_parse_rate=sum(r.parsed for r in rubrics) / len(rubrics) if rubrics else None,
                mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gib=peak_rss_gib(),
-               **credit_stats(trajs, s, A, info))
+               **mu_at_work(mu, trajs, contexts, rubrics, s), **credit_stats(trajs, s, A, info))
     log_iteration(run_dir, row, trace_rows(trajs, epoch, b, rubrics, d, s, A, info))
     return row
 
@@ -527,6 +527,9 @@ def resolve_args(args: Args) -> Args:
     if args.mixed and args.sparse_baseline == "group" and args.dense_samples < 2:
         problems.append("--mixed with --sparse-baseline group needs --dense-samples 2 or more (its outcome advantage "
                         "is R minus the question's mean)")
+    if args.rubric_format == "slots" and args.rubric in ("adaptive", "prefix-free") and args.max_new_tokens_mu < 4 * args.k:
+        problems.append(f"--rubric-format slots writes {args.k} numbered criteria of at least one word each: "
+                        f"--max-new-tokens-mu must be at least {4 * args.k}, got {args.max_new_tokens_mu}")
     if problems:
         sys.exit("error: " + "; ".join(problems))
     return args
@@ -727,8 +730,12 @@ def log_evaluation(run_dir: Path, epoch: int, ev: dict, rows: list[dict], dense:
 
 def update_line(row: dict, epoch: int, b: int) -> str:
     """The one-line log of an update (every number is also in metrics.jsonl)."""
-    mu_part = (f" dec-MSE {row['decomposition_mse']:.4f} KLμ {row['kl_mu']:.4f} s̄ {row['mean_s']:+.3f}"
-               if "rubric_loss" in row else "")
+    mu_part = (f" dec-MSE {row['decomposition_mse']:.4f} → {row['decomposition_mse_after']:.4f} KLμ {row['kl_mu']:.4f}"
+               f" s̄ {row['mean_s']:+.3f}" if "rubric_loss" in row else "")
+    if row.get("rubric_parse_rate") is not None:
+        mu_part += f" K-criteria {100 * row['rubric_parse_rate']:.0f}% copied {100 * row['copied_rate']:.0f}%"
+    if "sum_auc" in row:
+        mu_part += f" AUC(Σs,R) {'—' if row['sum_auc'] is None else format(row['sum_auc'], '.2f')}"
     return (f"[arco] epoch {epoch} batch {b}: R {row['mean_R']:.2f} policy loss {row['policy_loss']:+.4f} "
             f"KLπ {row['kl_pi']:.4f}{mu_part} invalid {row['invalid_rate']:.2f}")
 
@@ -768,8 +775,8 @@ def trace_rows(trajs, epoch: int, batch: int, rubrics=None, d=None, s=None, A=No
             st["useful"] = useful                 # the ground-truth label (env.step_usefulness), for μ's AUC
             if rubrics is not None:
                 st["criteria"] = rubrics[flat[j]].criteria
-                st["rubric_parsed"] = rubrics[flat[j]].parsed
-                if not rubrics[flat[j]].parsed:
+                st["rubric_parsed"] = rubrics[flat[j]].complete          # K criteria (Rubric.complete)
+                if not rubrics[flat[j]].complete:
                     st["rubric_text"] = rubrics[flat[j]].text[:300]     # what μ wrote, kept when unparseable
                 st["d"] = [round(x, 4) for x in d[flat[j]].tolist()]
             if s is not None:
@@ -944,6 +951,23 @@ def written_and_scored(mu, contexts: list, args: Args) -> tuple[list, torch.Tens
         return [], torch.zeros(0, args.k), torch.zeros(0)
     rubrics, d, s = zip(*out)
     return list(rubrics), torch.stack(d), torch.stack(s)
+
+
+def mu_at_work(mu, trajs, contexts, rubrics, s) -> dict:
+    """What the log and the report show of μ at each update (README, "the default run"): the share of steps
+    whose rubric gives K criteria (`rubric_parse_rate`), the share of the written criteria that are a piece of
+    μ's own prompt copied verbatim (`copied_rate`, rubric_model.copied_from_prompt), and the AUC of μ's verdict
+    Σ_t s_t against R(τ) over the update's trajectories (`sum_auc`; None when every R is the same)."""
+    if mu is None or s is None:
+        return {}
+    out: dict = {"sum_auc": auc([float(s[r.start:r.stop].sum()) for r in env.step_ranges(trajs)],
+                                [t.reward > 0.5 for t in trajs])}
+    if mu.rubric_mode in ("static", "none"):
+        return out
+    written = [(c, ctx) for ctx, r in zip(contexts, rubrics) for c in r.criteria if c.strip()]
+    out["rubric_parse_rate"] = sum(r.complete for r in rubrics) / max(1, len(rubrics))
+    out["copied_rate"] = sum(copied_from_prompt(c, mu.prompt_text(ctx)) for c, ctx in written) / max(1, len(written))
+    return out
 
 
 def bucket_means(G, buckets, valid) -> dict:
@@ -1147,6 +1171,7 @@ def write_report(run_dir: Path, history: list[dict], args: Args) -> None:
     lines += ["", f"Selected (best dev EM after the dense transition, the paper's rule): epoch "
                   f"{sel['selected_epoch']} — EM {sel['selected']['em']:.1f}, F1 {sel['selected']['f1']:.1f}. "
                   f"Best overall: epoch {sel['best_overall_epoch']} (EM {sel['best_overall']['em']:.1f}).", ""]
+    lines += mu_report(run_dir)
     last = max((int(p.stem.split("_")[1]) for p in (run_dir / "traces").glob("epoch_*.jsonl")), default=None)
     if last is not None:
         lines += [f"## Sample training trajectories (epoch {last})", ""]
@@ -1165,6 +1190,62 @@ def write_report(run_dir: Path, history: list[dict], args: Args) -> None:
                     lines.append(f"    - μ wrote (unparseable): `{' '.join(st['rubric_text'].split())[:160]}`")
             lines.append("")
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
+
+
+MU_COLUMNS = (("rubric_parse_rate", "K criteria"), ("copied_rate", "copied from μ's prompt"),
+              ("sum_auc", "AUC of Σ_t s_t for R"), ("decomposition_mse", "decomposition error (Eq. 5)"))
+
+
+def mu_report(run_dir: Path) -> list[str]:
+    """report.md's "μ at work": per update, the share of steps whose rubric gives K criteria, the share of criteria
+    copied from μ's prompt, the AUC of Σ_t s_t against R and the decomposition error before and after the update's
+    Eq. 5 step (mu_at_work, rubric_update), and the same in a figure (mu.png)."""
+    rows = [r for r in env.read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "update" and "mean_s" in r
+            and r["mean_s"] is not None]
+    if not rows:
+        return []
+    pct = lambda x: "—" if x is None else f"{100 * x:.0f}%"
+    num = lambda x, f=".2f": "—" if x is None else format(x, f)
+    lines = ["## μ at work", "",
+             "Per update: the share of steps whose rubric gives K criteria, the share of criteria that copy a piece of "
+             "μ's own prompt verbatim, the AUC of μ's verdict Σ_t s_t for R(τ) = 1 over the update's trajectories (0.5: "
+             "chance; — where every R is the same), and Eq. 5's decomposition error mean_τ (Σ_t s_t − R(τ))² on the "
+             "update's trajectories before and after μ's step.", "",
+             "| update | phase | trajectories (R = 1) | K criteria | copied | AUC(Σs, R) | mean s_t | decomposition error, "
+             "before → after |", "|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows, 1):
+        n = r["trajectories"]
+        lines.append(f"| {i} (epoch {r['epoch']}, batch {r['batch']}) | {'dense' if r['dense'] else 'sparse'} | {n} "
+                     f"({round(r['mean_R'] * n)}) | {pct(r.get('rubric_parse_rate'))} | {pct(r.get('copied_rate'))} | "
+                     f"{num(r.get('sum_auc'))} | {r['mean_s']:+.3f} | {num(r.get('decomposition_mse'), '.3f')} → "
+                     f"{num(r.get('decomposition_mse_after'), '.3f')} |")
+    plot_mu(rows, run_dir / "mu.png")
+    return lines + ["", "![μ at work](mu.png)", ""]
+
+
+def plot_mu(rows: list[dict], path: Path) -> None:
+    """mu.png: MU_COLUMNS over the updates, one small panel each."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 2.4), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    x = list(range(1, len(rows) + 1))
+    for k, (key, title) in enumerate(MU_COLUMNS):
+        ax = fig.add_subplot(1, len(MU_COLUMNS), k + 1)
+        pts = [(i, r.get(key)) for i, r in zip(x, rows) if r.get(key) is not None]
+        ax.plot([i for i, _ in pts], [y for _, y in pts], marker="o", label="before μ's step" if k == 3 else None)
+        if key == "decomposition_mse":
+            after = [(i, r.get("decomposition_mse_after")) for i, r in zip(x, rows)
+                     if r.get("decomposition_mse_after") is not None]
+            ax.plot([i for i, _ in after], [y for _, y in after], marker="x", linestyle="--", label="after")
+            ax.legend(fontsize=7)
+        else:
+            ax.set_ylim(0, 1.02)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("update", fontsize=8)
+        ax.set_xticks(x)
+        ax.grid(alpha=0.3)
+    fig.savefig(path, format="png")
 
 
 def describe_plan(args: Args, n_train: int) -> str:

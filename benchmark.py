@@ -348,8 +348,11 @@ def loop_benchmark(args: arco.Args) -> dict:
     mu_rubric = [len(r.token_ids) for r in rubrics]
     mean = lambda xs: max(1, round(sum(xs) / max(1, len(xs))))              # noqa: E731
     n_pi, n_mu = sum(p + r for p, r in pi_items), sum(map(len, mu_ids))
-    rate_pi = raw_rates(pi, args.micro_batch, mean([p + r for p, r in pi_items]), mean([r for _, r in pi_items]))
-    rate_mu = raw_rates(mu.backbone, args.micro_batch, mean(list(map(len, mu_ids))), mean(mu_rubric))
+    per_pass = lambda length: max(1, args.pass_tokens // length)           # noqa: E731  sequences in one pass
+    rate_pi = raw_rates(pi, per_pass(mean([p + r for p, r in pi_items])), mean([p + r for p, r in pi_items]),
+                        mean([r for _, r in pi_items]))
+    rate_mu = raw_rates(mu.backbone, per_pass(mean(list(map(len, mu_ids)))), mean(list(map(len, mu_ids))),
+                        mean(mu_rubric))
     rollout_steps = [st for t in rollout for st in t.steps]
     rounds = max(len(t.steps) for t in rollout)
     prompt_lens = [len(chat_prompt_ids(pi.tokenizer, st.prompt)) for st in rollout_steps]

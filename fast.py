@@ -463,14 +463,14 @@ def _prefill(bb: Backbone, seqs: Sequence[Sequence[int]], memo: PromptMemo | Non
 
 @torch.no_grad()
 def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-           batch_size: int = 16, close: Callable[[list[int]], bool] | None = None,
+           batch_size: int = 16, steer: Callable[[list[int], int], int] | None = None,
            hidden: bool = False, memo: PromptMemo | None = None,
            seeds: Sequence[int] | None = None) -> list[tuple[Generation, torch.Tensor | None]]:
     """Batched decoding with a KV cache, the batch's common prefix run once (SharedPrefix).
 
-    Greedy (temperature 0): a row leaves the batch when it is done — at an end-of-turn token, at
-    max_new_tokens, or, with `close`, when close(its new ids) says the reply is complete (the
-    end-of-turn token is then written next, as a trained model does). With `hidden` every token is fed
+    Greedy (temperature 0): a row leaves the batch when it is done — at an end-of-turn token or at
+    max_new_tokens; `steer(its new ids, the drawn token)` returns the token written in place of the drawn
+    one (μ's rubric frames: RubricModel.steer). With `hidden` every token is fed
     once (greedy only), so the mean of the last hidden states over prompt + reply (μ's pooled vector, Eq. 2) comes
     with the text: a score pass for free. Sampling (temperature > 0) draws as transformers' generate
     does — softmax(logits / T) in fp32, one torch.multinomial over the whole batch at every step until
@@ -485,7 +485,7 @@ def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     """
     if hidden and (memo is not None or temperature > 0):
         raise ValueError("decode: `hidden` is for greedy decoding without a memo (which skips prompt tokens)")
-    stops, eot = end_of_reply(bb)
+    stops, _ = end_of_reply(bb)
     sample = temperature > 0
     out: list = [None] * len(prompts)
     was_training = bb.model.training
@@ -517,7 +517,7 @@ def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
                     pick = logits.argmax(-1).tolist()
                 for row, tok in zip(rows, pick):
                     if row in alive:
-                        new[row].append(eot if close is not None and new[row] and close(new[row]) else tok)
+                        new[row].append(steer(new[row], tok) if steer is not None else tok)
                 ended = [row for row in alive if new[row][-1] in stops or len(new[row]) >= max_new_tokens]
                 writing = set(alive)                 # rows whose newest token is fed next (for `hidden`)
                 alive = [row for row in alive if row not in ended]

@@ -258,7 +258,7 @@ class Engine:
     of a generation call, the same numbers whichever computes them (tests/test_engines.py). ENGINES names them;
     `plain` is defined in this file, `fast` in fast.py, which adds itself to ENGINES when it is imported."""
     passes: Callable        # (bb, seqs, response lens, kl, token budget, units) → a Pass per group of units
-    decode: Callable        # (bb, prompt ids, max_new_tokens, temperature, batch_size, close, hidden, memo, seeds)
+    decode: Callable        # (bb, prompt ids, max_new_tokens, temperature, batch_size, steer, hidden, memo, seeds)
                             #   → (Generation, mean last hidden state or None) per prompt, in order
     memo: Callable          # () → what policy_act keeps from one round of a rollout to the next (or None)
     check: Callable         # (model, name) → None, or raises ModelLoadError for a model it cannot compute
@@ -553,7 +553,7 @@ def policy_act(bb: Backbone, temperature: float, max_new_tokens: int, batch_size
 
 
 def end_of_reply(bb: Backbone) -> tuple[list[int], int]:
-    """The ids that end a reply (end_of_turn_ids), and the one written when a `close` callback ends it (the
+    """The ids that end a reply (end_of_turn_ids), and the one a `steer` callback writes to end it (the
     chat template's own end-of-turn token where the model has it): the same for every engine."""
     stops = end_of_turn_ids(bb)
     return stops, next((t for t in stops if t == bb.tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKENS[0])), stops[0])
@@ -561,19 +561,19 @@ def end_of_reply(bb: Backbone) -> tuple[list[int], int]:
 
 @torch.no_grad()
 def plain_decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-                 batch_size: int = 16, close: Callable[[list[int]], bool] | None = None, hidden: bool = False,
+                 batch_size: int = 16, steer: Callable[[list[int], int], int] | None = None, hidden: bool = False,
                  memo=None, seeds: Sequence[int] | None = None) -> list[tuple[Generation, torch.Tensor | None]]:
     """The plain engine's generation: one prompt at a time, the model's own KV cache (transformers), one token
     per step. Greedy (temperature 0) takes the argmax of the fp32 logits; sampling draws from softmax(logits / T)
     in fp32 with torch.multinomial, from the prompt's own generator when `seeds` are given (one per prompt: its
     tokens then depend on its seed alone, as in fast.decode), else from torch's global one. A reply ends at an
-    end-of-turn token, at max_new_tokens, or when `close(its new ids)` says it is complete (the end-of-turn
-    token is then written instead of the drawn one). With `hidden` (greedy) every new token is fed once too,
+    end-of-turn token or at max_new_tokens. `steer(its new ids, the drawn token)` returns the token written in
+    place of the drawn one (μ's rubric frames: RubricModel.steer). With `hidden` (greedy) every new token is fed once too,
     so the mean of the last hidden states over prompt + reply (μ's pooled vector, Eq. 2) comes with the text.
     `batch_size` and `memo` are unused. Returns (Generation, mean hidden [H] or None) per prompt, in order."""
     if hidden and temperature > 0:
         raise ValueError("decode: `hidden` is for greedy decoding")
-    stops, eot = end_of_reply(bb)
+    stops, _ = end_of_reply(bb)
     decoder, was_training, out = bb.model.get_decoder(), bb.model.training, []
     bb.model.eval()                                         # no LoRA dropout while decoding
     try:
@@ -592,7 +592,7 @@ def plain_decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens:
                     tok = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=stream))
                 else:
                     tok = int(logits.argmax())
-                new.append(eot if close is not None and new and close(new) else tok)
+                new.append(steer(new, tok) if steer is not None else tok)
                 done = new[-1] in stops or len(new) >= max_new_tokens
                 if done and not hidden:
                     break
@@ -823,6 +823,8 @@ RUBRIC_SYSTEM = (
     "At each step it does one thing: Search[query], which returns one passage, or Finish[answer], which "
     "submits its final answer. For one step you write the checklist used to grade that step, as a JSON list "
     "of short sentences and nothing else.")
+RUBRIC_SYSTEM_SLOTS = RUBRIC_SYSTEM.replace("as a JSON list of short sentences and nothing else",
+                                            "as numbered lines, one short sentence each, and nothing else")
 SCORE_ONLY_SYSTEM = (
     "You review the steps of a search agent. The agent answers questions that need two or more facts. "
     "At each step it does one thing: Search[query], which returns one passage, or Finish[answer], which "
@@ -831,8 +833,17 @@ RUBRIC_INSTRUCTION = (
     "Write exactly {k} criteria for grading this step, as a JSON list of {k} strings. For a search, each criterion "
     "names the person, place, thing, relation or missing fact the query is after. For a finish, say that the step "
     "is graded as the final answer, and whether the passages found so far support it.")
+RUBRIC_INSTRUCTION_SLOTS = (
+    "Write exactly {k} criteria for grading this step, numbered 1 to {k}, one per line. For a search, each criterion "
+    "names the person, place, thing, relation or missing fact the query is after. For a finish, say that the step "
+    "is graded as the final answer, and whether the passages found so far support it.")
 SCORE_ONLY_INSTRUCTION = "How much does this step help to answer the question?"
-RUBRIC_OPENING = '["'       # μ's reply is opened with this; r_t is the tokens that follow it
+RUBRIC_OPENING = '["'       # μ's reply is opened with this; r_t is the tokens that follow it ('json' format)
+# How μ writes its K criteria (`rubric_format`, saved with μ): 'json', the release's JSON list of strings (μ must
+# close the list itself; a reply that does not parse scores K empty criteria), or 'slots', a frame of K numbered
+# lines whose numbers and line breaks the decoder writes (SlotFrame): μ writes only each criterion's words, so
+# every rubric holds K criteria by construction (CHOICES.md).
+RUBRIC_FORMATS = ("json", "slots")
 # The worked examples, in an invented world; the first K criteria of each are shown.
 _EXAMPLE_QUESTION = "Which river flows through the birth town of the painter Ilsa Marn?"
 EXAMPLES = [
@@ -887,9 +898,14 @@ class Rubric:
     """r_t: the criteria μ wrote for one step."""
     text: str                       # the reply as written, opening `["` included (kept even when unparseable)
     criteria: list[str]             # exactly K criteria ("" where fewer were written or unparseable)
-    parsed: bool                    # the reply holds a valid JSON list of strings
+    parsed: bool                    # 'json': a valid JSON list of strings; 'slots': K criteria, none empty
     n_written: int                  # how many criteria it held (before padding/cutting to K)
     token_ids: list[int] = field(default_factory=list)  # the rubric's tokens, as scored and KL-regularized
+
+    @property
+    def complete(self) -> bool:
+        """Does the rubric give K criteria (parsed, none empty)? The rate the run logs per update."""
+        return self.parsed and all(c.strip() for c in self.criteria)
 
 
 def step_text(ctx: StepContext, with_prefix: bool = True) -> str:
@@ -902,16 +918,84 @@ def step_text(ctx: StepContext, with_prefix: bool = True) -> str:
             f"Searches left: {ctx.searches_left}\n\nStep to grade: {ctx.action}")
 
 
-def rubric_messages(ctx: StepContext, k: int, mode: str = "adaptive", examples: int = 2) -> list[dict]:
+def rubric_messages(ctx: StepContext, k: int, mode: str = "adaptive", examples: int = 2,
+                    fmt: str = "json") -> list[dict]:
     """Chat messages of μ's rubric prompt for one step (adaptive, prefix-free and static):
-    the first `examples` worked examples as earlier turns, then the step to grade."""
+    the first `examples` worked examples as earlier turns, then the step to grade. 'json' puts the
+    instruction after each step; 'slots' puts it in the system message, so that every step's prompt
+    begins with the same tokens and ends with its own step (the engines run a shared beginning once)."""
     with_prefix = mode != "prefix-free"
-    instruction = "\n\n" + RUBRIC_INSTRUCTION.format(k=k)
-    messages = [{"role": "system", "content": RUBRIC_SYSTEM}]
+    if fmt == "slots":
+        system, instruction = RUBRIC_SYSTEM_SLOTS + " " + RUBRIC_INSTRUCTION_SLOTS.format(k=k), ""
+    else:
+        system, instruction = RUBRIC_SYSTEM, "\n\n" + RUBRIC_INSTRUCTION.format(k=k)
+    messages = [{"role": "system", "content": system}]
     for step, criteria in EXAMPLES[:examples]:
         messages += [{"role": "user", "content": step_text(StepContext(*step), with_prefix) + instruction},
-                     {"role": "assistant", "content": json.dumps(criteria[:k])}]
+                     {"role": "assistant", "content": rubric_text(criteria[:k], fmt)}]
     return messages + [{"role": "user", "content": step_text(ctx, with_prefix) + instruction}]
+
+
+def rubric_text(criteria: Sequence[str], fmt: str) -> str:
+    """K criteria as μ writes them: a JSON list ('json') or K numbered lines ('slots')."""
+    if fmt == "json":
+        return json.dumps([str(c) for c in criteria])
+    return "\n".join(f"{j}. {one_line(c)}" for j, c in enumerate(criteria, 1))
+
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def copied_from_prompt(criterion: str, prompt: str) -> bool:
+    """Is a criterion a piece of μ's own prompt copied verbatim (a line such as "Searches left: 1", an entity
+    name of the question, the first words of an observation)? Compared case- and space-insensitively, trailing
+    punctuation aside; an empty criterion is no copy (it counts against K criteria instead)."""
+    c = one_line(criterion).lower().rstrip(" .,;:")
+    return bool(c) and c in one_line(prompt).lower()
+
+
+class SlotFrame:
+    """The 'slots' format's frame (RUBRIC_FORMATS): μ's reply is `1. <criterion>\n2. <criterion>\n…K. <criterion>`,
+    and the decoder, not μ, writes the numbers, the line breaks and the end of the reply (`steer`). A criterion
+    never holds a line break, so the line breaks in a reply's ids are the frame's own."""
+
+    def __init__(self, tokenizer, k: int, stops: Sequence[int], eot: int):
+        self.opens = [tokenizer(f"{j}.", add_special_tokens=False)["input_ids"] for j in range(1, k + 1)]
+        newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+        if len(newline) != 1:
+            raise ValueError(f"the 'slots' rubric format needs a tokenizer with one token for a line break, got {newline}")
+        self.tokenizer, self.k, self.newline, self.eot = tokenizer, k, newline[0], eot
+        self.breaks = set(stops) | {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
+
+    def steer(self, max_new_tokens: int) -> Callable[[list[int], int], int]:
+        """The decoder's `steer` for replies of at most max_new_tokens: given the reply's ids so far and the token
+        μ drew, the token to write — the next token of slot j's number "j." while it is being opened; μ's own
+        token inside a slot; and, when μ ends its line (a token holding a line break, or an end-of-turn token)
+        or the slot holds `cap` tokens, the line break to the next slot, or the end of the reply after the K-th.
+        cap leaves room for all K slots within max_new_tokens."""
+        cap = (max_new_tokens - sum(map(len, self.opens)) - self.k) // self.k
+        if cap < 1:
+            raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for {self.k} criteria in the 'slots' frame")
+
+        def steer(new: list[int], drawn: int) -> int:
+            j = new.count(self.newline)                                       # slots closed so far
+            at = len(new) - (len(new) - new[::-1].index(self.newline) if j else 0)   # tokens written in slot j
+            if at < len(self.opens[j]):
+                return self.opens[j][at]                                      # the slot's number, "j."
+            if drawn in self.breaks or at - len(self.opens[j]) >= cap:        # μ ended its line, or the slot is full
+                return self.newline if j + 1 < self.k else self.eot
+            return drawn
+        return steer
+
+    def ids(self, criteria: Sequence[str]) -> list[int]:
+        """The token ids of K criteria written into the frame (teacher rubrics for Eq. 7): the ids the decoder
+        writes when μ draws these words (a criterion longer than a slot's cap is not cut here)."""
+        out = []
+        for j, c in enumerate(criteria):
+            words = self.tokenizer(" " + one_line(c), add_special_tokens=False)["input_ids"] if one_line(c) else []
+            out += self.opens[j] + words + [self.newline if j + 1 < self.k else self.eot]
+        return out
 
 
 def score_only_messages(ctx: StepContext) -> list[dict]:
@@ -957,8 +1041,18 @@ def _json_criteria(text: str) -> list[str] | None:
     return None
 
 
+def parse_slots(text: str, k: int) -> tuple[list[str], bool, int]:
+    """parse_criteria for the 'slots' format: line j is "j. <criterion>"; parsed when all K are there, none empty."""
+    criteria = []
+    for j, line in enumerate(text.strip().split("\n")[:k], 1):
+        line = line.strip()
+        criteria.append(line[len(f"{j}."):].strip() if line.startswith(f"{j}.") else line)
+    n = sum(1 for c in criteria if c)
+    return (criteria + [""] * k)[:k], n == k, n
+
+
 def parse_criteria(text: str, k: int) -> tuple[list[str], bool, int]:
-    """(exactly K criteria, parsed?, how many were written) from μ's reply.
+    """(exactly K criteria, parsed?, how many were written) from μ's reply ('json' format).
 
     A valid JSON list (also inside code fences or chatter, or under a key) is parsed and
     padded with "" or cut to K. A reply cut off mid-list (it ran past max_new_tokens) is not
@@ -998,9 +1092,12 @@ class RubricModel:
     """
 
     def __init__(self, backbone: Backbone, k: int = 3, rubric_mode: str = "adaptive", head_hidden: int = 256,
-                 static_criteria: Sequence[str] | None = None, examples: int = 2):
+                 static_criteria: Sequence[str] | None = None, examples: int = 2, rubric_format: str = "json"):
         if rubric_mode not in RUBRIC_MODES:
             raise ValueError(f"rubric_mode must be one of {RUBRIC_MODES}, got {rubric_mode!r}")
+        if rubric_format not in RUBRIC_FORMATS:
+            raise ValueError(f"rubric_format must be one of {RUBRIC_FORMATS}, got {rubric_format!r}")
+        self.rubric_format = rubric_format
         if not 1 <= k <= len(STATIC_CRITERIA):
             raise ValueError(f"K must be between 1 and {len(STATIC_CRITERIA)}, got {k}")
         if not 0 <= examples <= len(EXAMPLES):
@@ -1020,35 +1117,67 @@ class RubricModel:
         tok = self.backbone.tokenizer
         if self.rubric_mode == "none":
             return chat_prompt_ids(tok, score_only_messages(ctx), add_generation_prompt=False)
-        return (chat_prompt_ids(tok, rubric_messages(ctx, self.k, self.rubric_mode, self.examples))
-                + tok(RUBRIC_OPENING, add_special_tokens=False)["input_ids"])
+        ids = chat_prompt_ids(tok, rubric_messages(ctx, self.k, self.rubric_mode, self.examples, self.rubric_format))
+        return ids + (tok(RUBRIC_OPENING, add_special_tokens=False)["input_ids"] if self.rubric_format == "json" else [])
+
+    def prompt_text(self, ctx: StepContext) -> str:
+        """The text of μ's rubric prompt for a step (what a copied criterion is looked for in)."""
+        return "\n".join(m["content"] for m in rubric_messages(ctx, self.k, self.rubric_mode, self.examples,
+                                                               self.rubric_format))
+
+    @property
+    def frame(self) -> SlotFrame:
+        """The 'slots' frame (built once: it reads the whole vocabulary for tokens holding a line break)."""
+        if getattr(self, "_frame", None) is None:
+            self._frame = SlotFrame(self.backbone.tokenizer, self.k, *end_of_reply(self.backbone))
+        return self._frame
 
     def rubric_from_criteria(self, criteria: Sequence[str]) -> Rubric:
         """A Rubric for criteria that were not sampled (teacher annotations for Eq. 7, static
-        mode): its tokens are the JSON after the opening `["`, then the end-of-turn token.
-        'none' has no rubric text: the empty rubric, whatever the criteria."""
+        mode): its tokens are the JSON after the opening `["`, then the end-of-turn token ('json'),
+        or the K criteria in their frame ('slots'). 'none' has no rubric text: the empty rubric,
+        whatever the criteria."""
         if self.rubric_mode == "none":
             return Rubric("", [""] * self.k, True, 0, [])
+        if self.rubric_format == "slots":
+            padded = (list(criteria) + [""] * self.k)[:self.k]
+            return self.rubric_from_ids(self.frame.ids(padded))
         text = json.dumps([str(c) for c in criteria])
         if not text.startswith(RUBRIC_OPENING):
             raise ValueError(f"a rubric needs at least one criterion, got {list(criteria)!r}")
         padded, parsed, n = parse_criteria(text, self.k)
         return Rubric(text, padded, parsed, n, encode_response(self.backbone, text[len(RUBRIC_OPENING):]))
 
+    def rubric_from_ids(self, ids: Sequence[int]) -> Rubric:
+        """The Rubric of a reply's token ids (written by μ, or a teacher's criteria encoded)."""
+        text = self.backbone.tokenizer.decode(ids, skip_special_tokens=True)
+        if self.rubric_format == "slots":
+            return Rubric(text, *parse_slots(text, self.k), list(ids))
+        text = RUBRIC_OPENING + text
+        return Rubric(text, *parse_criteria(text, self.k), list(ids))
+
     # -- LM head: r_t ~ p_θ(· | q, h_t, a_t) -----------------------------------------------
     def generate_rubrics(self, contexts: Sequence[StepContext], temperature: float = 0.7,
                          max_new_tokens: int = 128, batch_size: int = 16):
         """Alg. 1, line 16: one rubric of K criteria per step. 'static' returns the fixed
-        criteria and 'none' an empty rubric, both without generating. A rubric ends where its JSON
-        list closes (the end-of-turn token follows, as μ's SFT taught it): what a small μ may write
-        after the list is not part of r_t and is not scored."""
+        criteria and 'none' an empty rubric, both without generating. 'slots': K criteria by
+        construction (SlotFrame). 'json': a rubric ends where its JSON list closes (the end-of-turn
+        token follows, as μ's SFT taught it): what a small μ may write after the list is not part
+        of r_t and is not scored."""
         return self.annotate(contexts, temperature, max_new_tokens, batch_size, scores=False)[0]
 
-    def _closed(self, ids: list[int]) -> bool:
-        """Does the reply so far complete the JSON list (the `close` of the engine's decode)?"""
-        tok = self.backbone.tokenizer
-        return "]" in tok.decode(ids[-1:]) and \
-            _json_criteria(RUBRIC_OPENING + tok.decode(ids, skip_special_tokens=True)) is not None
+    def steer(self, max_new_tokens: int) -> Callable[[list[int], int], int]:
+        """The decoder's `steer` for μ's replies: the slot frame ('slots'), or, for 'json', the end-of-turn
+        token in place of whatever μ draws once its reply completes the JSON list."""
+        if self.rubric_format == "slots":
+            return self.frame.steer(max_new_tokens)
+        tok, eot = self.backbone.tokenizer, end_of_reply(self.backbone)[1]
+
+        def closing(new: list[int], drawn: int) -> int:
+            closed = new and "]" in tok.decode(new[-1:]) and \
+                _json_criteria(RUBRIC_OPENING + tok.decode(new, skip_special_tokens=True)) is not None
+            return eot if closed else drawn
+        return closing
 
     @torch.no_grad()
     def annotate(self, contexts: Sequence[StepContext], temperature: float = 0.7, max_new_tokens: int = 128,
@@ -1062,12 +1191,8 @@ class RubricModel:
             return rubrics, (self.score(contexts, rubrics, batch_size) if scores else None)
         hidden = scores and temperature == 0
         outs = engine_of(self.backbone).decode(self.backbone, [self.prompt_ids(c) for c in contexts], max_new_tokens,
-                                               temperature, batch_size, close=self._closed, hidden=hidden)
-        rubrics = []
-        for g, _ in outs:
-            text = RUBRIC_OPENING + self.backbone.tokenizer.decode(g.token_ids, skip_special_tokens=True)
-            criteria, parsed, n = parse_criteria(text, self.k)
-            rubrics.append(Rubric(text, criteria, parsed, n, g.token_ids))
+                                               temperature, batch_size, steer=self.steer(max_new_tokens), hidden=hidden)
+        rubrics = [self.rubric_from_ids(g.token_ids) for g, _ in outs]
         if not scores:
             return rubrics, None
         if not hidden:                                   # sampled rubrics: a score pass of their own
@@ -1137,7 +1262,7 @@ class RubricModel:
     # -- save / load ---------------------------------------------------------------------
     def config(self) -> dict:
         return {"k": self.k, "rubric_mode": self.rubric_mode, "head_hidden": self.head_hidden,
-                "static_criteria": self.static_criteria, "examples": self.examples}
+                "static_criteria": self.static_criteria, "examples": self.examples, "rubric_format": self.rubric_format}
 
     def save(self, path: str | os.PathLike) -> Path:
         """Adapters (peft format) + score head (safetensors) + config JSON; see save_backbone."""
@@ -1159,7 +1284,7 @@ class RubricModel:
         if mu_config is None:
             raise ValueError(f"{Path(path) / 'config.json'} is a backbone checkpoint without a rubric model")
         mu = cls(bb, mu_config["k"], mu_config["rubric_mode"], mu_config["head_hidden"],
-                 mu_config["static_criteria"], mu_config.get("examples", 2))
+                 mu_config["static_criteria"], mu_config.get("examples", 2), mu_config.get("rubric_format", "json"))
         state = load_file(str(Path(path) / "score_head.safetensors"), device=str(bb.device))
         mu.head.load_state_dict(state)
         return mu

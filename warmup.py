@@ -51,7 +51,7 @@ import torch
 import env
 import fast  # registers --engine fast
 from evaluate import MEMORY, auc_by_step_type, main_guard, normalize_answer, parse_args
-from rubric_model import (ENGINES, RUBRIC_MODES, ModelLoadError, ModelSettings, RubricModel, StepContext, add_lora,
+from rubric_model import (ENGINES, RUBRIC_FORMATS, RUBRIC_MODES, ModelLoadError, ModelSettings, RubricModel, StepContext, add_lora,
                           chat_prompt_ids, check_model_available, contexts_from_trajectory, encode_response,
                           load_backbone, load_backbone_checkpoint, merge_lora, policy_act, save_backbone,
                           trainable_parameters, training_passes, write_atomically)
@@ -117,8 +117,9 @@ class Settings(ModelSettings):
     obs_chars: int | None = from_preset(paper=0, cpu=300, help="observation cut, characters (0 = the whole paragraph)")
     max_new_tokens_pi: int | None = from_preset(paper=64, cpu=32, min=1, help="π's max new tokens per action (64)")
     gen_batch: int | None = from_preset(paper=64, cpu=32, min=1, help="prompts per generation batch (π and μ)")
-    micro_batch: int | None = from_preset(paper=16, cpu=2, min=1,
-                                          help="sequences per SFT forward pass (memory; gradients are accumulated)")
+    pass_tokens: int | None = from_preset(paper=8192, cpu=1024, min=1, help="most tokens in one training pass "
+                                          "(memory), SFT and RL: a batch is cut into passes of whole trajectories; a "
+                                          "trajectory longer than this is recomputed in the backward (checkpointing)")
     token_reduction: str | None = from_preset(paper="mean", cpu="mean", choices=["mean", "sum"],
                                               help="mean (release) or sum (the paper's Σ_i) over the tokens of a step "
                                                    "in the KL terms of Eq. 3 and Eq. 5 and in Eq. 7 (see README)")
@@ -148,6 +149,10 @@ class Settings(ModelSettings):
     sft_questions_mu: int | None = from_preset(paper=0, cpu=8, help="warmup μ SFT on the trajectories of the first "
                                                "this many warmup questions (0 = all; release)")
     max_new_tokens_mu: int | None = from_preset(paper=128, cpu=96, min=1, help="μ's max new tokens per rubric (128)")
+    rubric_format: str | None = from_preset(paper="json", cpu="slots", choices=list(RUBRIC_FORMATS),
+                                            help="how μ writes its K criteria: json (a JSON list μ must close itself; "
+                                                 "release) or slots (K numbered lines whose numbers and line breaks "
+                                                 "the decoder writes: K criteria by construction); saved with μ")
     # What μ's SFT learns from (issue 41); each non-default value gets a μ folder of its own (mu_dir_name).
     criteria: str = field(default="verdict", metadata={
         "help": "the criteria text of μ SFT: verdict (the oracle's: it names what happened, e.g. 'hop 2 of 3', the "
@@ -1266,14 +1271,31 @@ def balanced_finishes(items: Sequence[dict]) -> list[dict]:
 # 6. π SFT and μ SFT (App. B, Eq. 7)
 # ----------------------------------------------------------------------------------------
 
-def _shuffled_batches(n: int, batch_size: int, rng: random.Random) -> list[list[int]]:
-    order = list(range(n))
-    rng.shuffle(order)
-    return [order[i:i + batch_size] for i in range(0, n, batch_size)]
+def trajectory_units(items: Sequence[dict]) -> list[list[int]]:
+    """The indices of each trajectory's items (same id and sample; items without them stand alone), in order of
+    first appearance: a training pass holds whole trajectories."""
+    units: dict = {}
+    for i, it in enumerate(items):
+        units.setdefault((it["id"], it.get("sample", 0)) if "id" in it else i, []).append(i)
+    return list(units.values())
 
 
-def _micro(batch: list[int], size: int) -> list[list[int]]:
-    return [batch[i:i + max(1, size)] for i in range(0, len(batch), max(1, size))]
+def trajectory_batches(items: Sequence[dict], batch_size: int, rng: random.Random) -> list[list[list[int]]]:
+    """SFT's optimizer batches (π and μ): the items' trajectories (same id and sample) in a shuffled order, cut
+    into ceil(items / batch_size) batches of about `batch_size` steps each (a trajectory goes where the middle of
+    its steps falls), so an epoch takes as many optimizer steps as batches of single steps would. Each batch
+    is a list of trajectories (index lists): the training passes hold whole trajectories, whose shared
+    beginning (system prompt, question, history) the fast engine runs once. A choice of ours (CHOICES.md):
+    the release shuffles single steps."""
+    groups = trajectory_units(items)
+    rng.shuffle(groups)
+    n_batches = max(1, math.ceil(len(items) / max(1, batch_size)))
+    batches: list[list[list[int]]] = [[] for _ in range(n_batches)]
+    done = 0
+    for g in groups:
+        batches[min(n_batches - 1, int((done + len(g) / 2) * n_batches / max(1, len(items))))].append(g)
+        done += len(g)
+    return [b for b in batches if b]
 
 
 def warmup_cosine(optimizer, total_steps: int, warmup_fraction: float = 0.03):
@@ -1288,13 +1310,14 @@ def warmup_cosine(optimizer, total_steps: int, warmup_fraction: float = 0.03):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def policy_sft_backward(pi, batch: Sequence[tuple[list[int], list[int]]], micro_batch: int) -> float:
+def policy_sft_backward(pi, batch: Sequence[tuple[list[int], list[int]]], units: Sequence[Sequence[int]],
+                        pass_tokens: int | None = None) -> float:
     """π SFT's loss on one optimizer batch of (policy prompt, action) pairs, backpropagated; returns its
-    value: the mean NLL of the target actions' tokens (target tokens only) over the whole batch, so the
-    memory knob `micro_batch` (sequences per pass) does not change it."""
+    value: the mean NLL of the target actions' tokens (target tokens only) over the whole batch, so how the
+    batch is cut into passes (`units`, e.g. its trajectories, packed up to `pass_tokens`) does not change it."""
     seqs, lens = [p + r for p, r in batch], [len(r) for _, r in batch]
     total = 0.0
-    for p in training_passes(pi, seqs, lens, budget=None, units=_micro(list(range(len(batch))), micro_batch)):
+    for p in training_passes(pi, seqs, lens, budget=pass_tokens, units=units):
         loss = -(p.logprobs * p.mask).sum() / sum(lens)
         loss.backward()
         total += float(loss.detach())
@@ -1310,7 +1333,7 @@ def dev_rank(scores: dict) -> tuple:
 
 
 def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch_size: int = 8, seed: int = 0,
-                     progress: bool = True, micro_batch: int = 4, weight_decay: float = 0.0,
+                     progress: bool = True, pass_tokens: int | None = 1024, weight_decay: float = 0.0,
                      evaluate: Callable | None = None) -> dict:
     """π warmup (App. B): a LoRA trained on (policy prompt → action), then merged into the weights.
 
@@ -1329,10 +1352,12 @@ def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch
     for epoch in range(epochs):
         pi.model.train()
         total = 0.0
-        batches = _shuffled_batches(len(data), batch_size, rng)
-        for b in tqdm(batches, desc=f"π SFT epoch {epoch + 1}/{epochs}", disable=not progress, leave=False):
+        batches = trajectory_batches(examples, batch_size, rng)
+        for batch in tqdm(batches, desc=f"π SFT epoch {epoch + 1}/{epochs}", disable=not progress, leave=False):
+            b = [i for g in batch for i in g]
             opt.zero_grad(set_to_none=True)
-            total += policy_sft_backward(pi, [data[i] for i in b], micro_batch) * len(b)
+            total += policy_sft_backward(pi, [data[i] for i in b], trajectory_units([examples[i] for i in b]),
+                                         pass_tokens) * len(b)
             opt.step()
             schedule.step()
         losses.append(total / max(len(data), 1))
@@ -1382,41 +1407,45 @@ def rubric_sft_loss(d: torch.Tensor, targets: torch.Tensor, logprobs: torch.Tens
     return text + lam * score, text, score
 
 
-def rubric_sft_passes(mu, items: Sequence[dict], lam: float, micro_batch: int, token_reduction: str = "sum"):
-    """Eq. 7 (rubric_sft_loss) on each pass of `micro_batch` steps of a batch, normalized over the whole
-    batch: yields (loss, text, score) per pass. Both heads read the same pass (Eq. 2's pooled vector, the
-    rubric tokens' log-probs)."""
+def rubric_sft_passes(mu, items: Sequence[dict], lam: float, units: Sequence[Sequence[int]],
+                      token_reduction: str = "sum", pass_tokens: int | None = None):
+    """Eq. 7 (rubric_sft_loss) on each pass of a batch (`units`: index lists into `items` kept in one pass, e.g.
+    a trajectory's steps; packed up to `pass_tokens`, None: a pass each), normalized over the whole batch: yields
+    (loss, text, score) per pass. Both heads read the same pass (Eq. 2's pooled vector, the rubric tokens'
+    log-probs)."""
     contexts, rubrics, targets = rubric_items(mu, items)
     has_text = mu.rubric_mode not in ("static", "none")        # App. B: no rubric text target for these
     seqs = mu.scoring_ids(contexts, rubrics)
     lens = [len(r.token_ids) if has_text else 0 for r in rubrics]
-    units = _micro(list(range(len(items))), micro_batch)
-    for p in training_passes(mu.backbone, seqs, lens, budget=None, units=units):
+    for p in training_passes(mu.backbone, seqs, lens, budget=pass_tokens, units=units):
         yield rubric_sft_loss(mu.step_scores(p.pooled).d, targets[p.index], p.logprobs if has_text else None, p.mask,
                               lam, token_reduction, len(items), sum(lens))
 
 
-def rubric_sft_backward(mu, items: Sequence[dict], lam: float, micro_batch: int, token_reduction: str = "sum") -> float:
-    """Eq. 7 on one optimizer batch, backpropagated pass by pass; returns its value (the memory knob
-    `micro_batch` does not change it)."""
+def rubric_sft_backward(mu, items: Sequence[dict], lam: float, units: Sequence[Sequence[int]],
+                        token_reduction: str = "sum", pass_tokens: int | None = None) -> float:
+    """Eq. 7 on one optimizer batch, backpropagated pass by pass (`units`, `pass_tokens`); returns its value (how
+    the batch is cut into passes does not change it)."""
     total = 0.0
-    for loss, _, _ in rubric_sft_passes(mu, items, lam, micro_batch, token_reduction):
+    for loss, _, _ in rubric_sft_passes(mu, items, lam, units, token_reduction, pass_tokens):
         loss.backward()
         total += float(loss.detach())
     return total
 
 
-def rubric_sft_terms(mu, items: Sequence[dict], lam: float, batch_size: int = 8, token_reduction: str = "sum") -> dict:
+def rubric_sft_terms(mu, items: Sequence[dict], lam: float, token_reduction: str = "sum",
+                     pass_tokens: int | None = 1024) -> dict:
     """The two terms of Eq. 7 over `items`, without gradients (to show μ SFT lowers both)."""
     mu.eval()
     with torch.no_grad():
-        terms = [(float(t), float(sc)) for _, t, sc in rubric_sft_passes(mu, items, lam, batch_size, token_reduction)]
+        terms = [(float(t), float(sc)) for _, t, sc in rubric_sft_passes(mu, items, lam, trajectory_units(items),
+                                                                         token_reduction, pass_tokens)]
     return {"text_nll": sum(t for t, _ in terms), "score_sq_error": sum(sc for _, sc in terms)}
 
 
 def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr: float, lam: float,
-                     batch_size: int = 8, seed: int = 0, progress: bool = True, micro_batch: int = 2,
-                     weight_decay: float = 0.0, token_reduction: str = "sum") -> list[float]:
+                     batch_size: int = 8, seed: int = 0, progress: bool = True, weight_decay: float = 0.0,
+                     token_reduction: str = "sum", pass_tokens: int | None = 1024) -> list[float]:
     """μ warmup (App. B, Eq. 7): a LoRA on μ's backbone and the score head, trained together with
     separate learning rates (AdamW, the release's 3%-warmup cosine schedule); the last epoch is kept
     (as in the release, which has no validation split for μ) and its LoRA merged. Returns the mean
@@ -1429,10 +1458,11 @@ def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr:
     mu.train()
     for epoch in range(epochs):
         total = 0.0
-        for b in tqdm(_shuffled_batches(len(items), batch_size, rng), desc=f"μ SFT epoch {epoch + 1}/{epochs}",
-                      disable=not progress, leave=False):
+        for batch in tqdm(trajectory_batches(items, batch_size, rng), desc=f"μ SFT epoch {epoch + 1}/{epochs}",
+                          disable=not progress, leave=False):
+            b = [items[i] for g in batch for i in g]
             opt.zero_grad(set_to_none=True)
-            total += rubric_sft_backward(mu, [items[i] for i in b], lam, micro_batch, token_reduction) * len(b)
+            total += rubric_sft_backward(mu, b, lam, trajectory_units(b), token_reduction, pass_tokens) * len(b)
             opt.step()
             schedule.step()
         losses.append(total / max(len(items), 1))
@@ -1442,8 +1472,8 @@ def train_rubric_sft(mu, items: Sequence[dict], epochs: int, lr: float, head_lr:
     return losses
 
 
-def fit_score_head(mu, items: Sequence[dict], steps: int, lr: float, micro_batch: int = 8, own: bool = False,
-                   max_new_tokens: int = 128, gen_batch: int = 16) -> list[float]:
+def fit_score_head(mu, items: Sequence[dict], steps: int, lr: float, own: bool = False,
+                   max_new_tokens: int = 128, gen_batch: int = 16, pass_tokens: int | None = 1024) -> list[float]:
     """Eq. 7's score term minimized further over the score head φ alone, the backbone fixed: each
     step's pooled vector h̄_t (Eq. 2; packed as in rubric_sft_backward) computed once, then `steps`
     full-batch Adam steps on the squared error ‖g_φ(h̄_t) − ŝ_t‖² (mean over steps × K). A choice of ours
@@ -1460,8 +1490,10 @@ def fit_score_head(mu, items: Sequence[dict], steps: int, lr: float, micro_batch
     seqs = mu.scoring_ids(contexts, rubrics)
     mu.eval()
     with torch.no_grad():
-        pooled = torch.cat([p.pooled for p in training_passes(mu.backbone, seqs, [0] * len(seqs), budget=None,
-                                                              units=_micro(list(range(len(seqs))), micro_batch))])
+        passes = list(training_passes(mu.backbone, seqs, [0] * len(seqs), budget=pass_tokens,
+                                      units=trajectory_units(items)))
+        order = torch.tensor([i for p in passes for i in p.index])
+        pooled = torch.cat([p.pooled for p in passes])[torch.argsort(order)]          # back in the items' order
 
     def error() -> torch.Tensor:
         return ((mu.head(pooled).float() - targets) ** 2).mean()
@@ -1542,7 +1574,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         torch.manual_seed(args.seed)            # π's LoRA initialization and dropout: a warmup repeats exactly
         with MEMORY.phase("π SFT"):
             sft = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi, args.sft_batch_pi, args.seed,
-                                   args.progress, args.micro_batch, args.weight_decay, dev_eval)
+                                   args.progress, args.pass_tokens, args.weight_decay, dev_eval)
         metrics["pi_sft_loss_per_epoch"] = sft["losses"]
         metrics["pi_sft_dev_em_per_epoch"] = [e["em"] for e in sft["evals"]]
         metrics["pi_sft_epoch"] = sft["best"]["epoch"]
@@ -1570,25 +1602,26 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
     mu_backbone = load_backbone(args.mu_model or args.model, device=args.device, dtype=args.dtype,
                                 autocast=args.autocast, engine=args.engine)
     torch.manual_seed(args.seed)                # μ's score head, LoRA and dropout (whether π was reused or not)
-    mu = RubricModel(mu_backbone, k=args.k, rubric_mode=args.rubric, examples=args.mu_examples)
+    mu = RubricModel(mu_backbone, k=args.k, rubric_mode=args.rubric, examples=args.mu_examples,
+                     rubric_format=args.rubric_format)
     probe = list(mu_items[:args.warmup_probe])
     m = metrics.setdefault("mu", {}).setdefault(name, {})
     m["token_reduction"] = args.token_reduction
     m.update({key: getattr(args, key) for key in MU_SFT_SETTINGS})          # what check_mu_settings compares
     finishes = [it for it in mu_items if it["action"].startswith("Finish[")]
     m.update(sft_items=len(mu_items), sft_finishes=len(finishes), sft_right_finishes=sum(map(right_finish, finishes)))
-    m["mu_sft_terms_before"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
+    m["mu_sft_terms_before"] = rubric_sft_terms(mu, probe, args.score_weight, args.token_reduction, args.pass_tokens)
     with MEMORY.phase("μ SFT"):
         m["mu_sft_loss_per_epoch"] = train_rubric_sft(mu, mu_items, args.sft_epochs_mu, args.sft_lr_mu,
                                                       args.sft_head_lr, args.score_weight, args.sft_batch_mu,
-                                                      args.seed, args.progress, args.micro_batch, args.weight_decay,
-                                                      args.token_reduction)
+                                                      args.seed, args.progress, args.weight_decay, args.token_reduction,
+                                                      args.pass_tokens)
     if args.sft_head_steps:
         with MEMORY.phase("score-head fit"):
             m["mu_head_fit_error"] = fit_score_head(mu, mu_items, args.sft_head_steps, args.sft_head_lr,
                                                     own=args.head_fit == "own", max_new_tokens=args.max_new_tokens_mu,
-                                                    gen_batch=args.gen_batch)
-    m["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.micro_batch, args.token_reduction)
+                                                    gen_batch=args.gen_batch, pass_tokens=args.pass_tokens)
+    m["mu_sft_terms_after"] = rubric_sft_terms(mu, probe, args.score_weight, args.token_reduction, args.pass_tokens)
     write_atomically(out_dir / name, mu.save)                                 # a kill leaves none
     # metrics.json read again before writing: another warmup of the folder (a μ variant trained beside this one)
     # may have added its μ meanwhile.
@@ -1712,7 +1745,7 @@ def check_retriever(folder: Path, retriever: str, pooling: str) -> None:
 
 # The μ SFT settings a warmup keeps in metrics.json (same names in arco.py and warmup.py), each with the
 # value a warmup made before the setting existed had (None: such a warmup passes the check).
-MU_SFT_SETTINGS = {"sft_questions_mu": None, "sft_head_steps": 0}
+MU_SFT_SETTINGS = {"sft_questions_mu": None, "sft_head_steps": 0, "rubric_format": "json"}
 
 
 def check_mu_settings(folder: Path, name: str, args) -> None:

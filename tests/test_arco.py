@@ -55,7 +55,7 @@ def test_policy_update_matches_a_hand_computation_with_the_kl_term(tiny_dir):
     perturb_lora(pi)
     trajs = scripted_batch()
     A = [[0.5, -0.25], [1.0]]
-    args = arco.resolve_args(arco.Args(micro_batch=2, token_reduction="mean"))
+    args = arco.resolve_args(arco.Args(token_reduction="mean"))
     params = rm.trainable_parameters(pi.model)
     out = arco.policy_update(pi, torch.optim.SGD(params, lr=0.0), trajs, A, args, 0.05)
 
@@ -123,7 +123,7 @@ def test_policy_update_skips_zero_advantage_steps_only_when_nothing_changes(tiny
     decay) lands where computing them lands: here against λ_π = 1e-30, which computes every step and
     whose KL term vanishes next to Eq. 3's. With every A = 0 the step still happens (zero gradients)."""
     trajs = scripted_batch()
-    args = arco.resolve_args(arco.Args(micro_batch=2, token_reduction="mean"))
+    args = arco.resolve_args(arco.Args(token_reduction="mean"))
     computed = []
     real = arco.passes
     monkeypatch.setattr(arco, "passes", lambda bb, seqs, *a, **kw: computed.append(len(seqs)) or real(bb, seqs, *a, **kw))
@@ -152,7 +152,7 @@ def test_policy_update_raises_actions_with_positive_advantage_and_lowers_negativ
     that of the action with A < 0 falls (each from the same starting adapter)."""
     pi = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
     trajs = scripted_batch()
-    args = arco.resolve_args(arco.Args(micro_batch=2))
+    args = arco.resolve_args(arco.Args())
     start, before = lora_state(pi), step_logps(pi, trajs)
     for which, sign in ((0, 1.0), (2, -1.0)):                    # Search[title] up, Finish[answer] down
         pi.model.load_state_dict(start, strict=False)
@@ -213,6 +213,33 @@ def test_rubric_update_moves_lora_and_head_and_lowers_the_decomposition_error(ti
     assert any(not torch.equal(p, lora0[n]) for n, p in lora_state(bb).items())
     assert any(not torch.equal(p, head0[n]) for n, p in mu.head.named_parameters())
     assert error() < err0
+
+
+def test_one_mu_update_at_the_cpu_presets_rates_lowers_the_decomposition_error(tiny_dir):
+    """The `cpu` preset's μ rates and Eq. 5 weights (README, "the default run"): one step of rubric_update lowers
+    the decomposition error of its own batch, and the error it logs after the step is the one recomputed here."""
+    bb = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
+    perturb_lora(bb)
+    torch.manual_seed(0)
+    mu = rm.RubricModel(bb, k=3, examples=0, rubric_format="slots")
+    with torch.no_grad():
+        mu.head.net[-1].bias.fill_(0.3)                        # every step scored high: the sums overshoot R
+    trajs = scripted_batch()
+    trajs[0].reward = 1.0
+    contexts = [c for t in trajs for c in rm.contexts_from_trajectory(t)]
+    rubrics = [mu.rubric_from_criteria([f"criterion {i}", "b", "c"]) for i in range(len(contexts))]
+    args = arco.resolve_args(arco.Args())
+    assert args.preset == "cpu"
+
+    def error():
+        with torch.no_grad():
+            s = mu.score(contexts, rubrics).s
+        return (float(s[:2].sum() - 1.0) ** 2 + float(s[2:].sum()) ** 2) / 2
+    before = error()
+    out = arco.rubric_update(mu, torch.optim.AdamW(mu.parameter_groups(args.mu_lr, args.head_lr),
+                                                   weight_decay=args.weight_decay), trajs, contexts, rubrics, args)
+    assert out["decomposition_mse"] == pytest.approx(before, rel=1e-4)
+    assert out["decomposition_mse_after"] == pytest.approx(error(), rel=1e-4) and error() < before
 
 
 class TitleRetriever:
@@ -433,7 +460,7 @@ def test_a_k_ablation_collects_its_own_annotations_and_shares_pi_sft(tiny_run, t
     warm = tiny_run / "synthetic" / "warmup"
     before = (warm / "records.jsonl").read_bytes()
     monkeypatch.setattr(warmup, "train_policy_sft", lambda *a, **kw: pytest.fail("π SFT ran a second time"))
-    arco.main(tiny_args(tiny_dir, tiny_run, k=5, epochs=1))
+    arco.main(tiny_args(tiny_dir, tiny_run, k=5, epochs=1, max_new_tokens_mu=20))
     assert (warm / "records.jsonl").read_bytes() == before
     records = read_jsonl(warm / "records-k5.jsonl")
     assert records and all(r["K"] == 5 for r in records)
@@ -662,7 +689,8 @@ def test_rubric_update_pools_the_mean_of_each_sequences_hidden_states(tiny_dir):
         seen.clear()
         arco.rubric_update(mu, torch.optim.SGD(mu.parameter_groups(0.0, 0.0), lr=0.0), trajs, contexts, rubrics,
                            arco.resolve_args(arco.Args(pass_tokens=pass_tokens)))
-        pooled = torch.cat(seen)                        # the head runs once per pass, outside the checkpointing
+        pooled = torch.cat(seen)[:len(contexts)]        # once per pass, outside the checkpointing (then the
+        #                                                 logged error after the step reads them again)
         with torch.no_grad():
             plain = mu.pooled(contexts, rubrics)        # right-padded pass, rm.mean_pool over the real tokens
         assert pooled.shape == plain.shape and torch.allclose(pooled, plain, atol=1e-5)

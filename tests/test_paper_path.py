@@ -14,7 +14,7 @@ import rubric_model as rm
 
 SHRUNK = dict(train_size=4, eval_size=3, epochs=2, sparse_epochs=1, batch_size=4, warmup_size=4, warmup_samples=2,
               warmup_probe=4, sft_epochs_pi=1, sft_epochs_mu=1, sft_batch_pi=8, sft_batch_mu=8, max_new_tokens_pi=8,
-              max_new_tokens_mu=12, gen_batch=8, pass_tokens=2048, micro_batch=4)
+              max_new_tokens_mu=12, gen_batch=8, pass_tokens=2048)
 
 
 def read_jsonl(path):

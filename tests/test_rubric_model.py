@@ -639,10 +639,11 @@ def test_greedy_rubrics_come_with_the_scores_of_a_score_pass(tiny):
 
 
 def test_decoding_stops_where_the_reply_is_complete(tiny):
-    """`close` ends a row (the end-of-turn token follows), as μ's rubric ends where its JSON list closes."""
+    """`steer` writes its token instead of the drawn one (here: the end-of-turn token once three are written),
+    as μ's JSON rubric ends where its list closes; the row then ends."""
     prompt = rm.chat_prompt_ids(tiny.tokenizer, [{"role": "user", "content": "hi"}])
-    (g, mean), = fast.decode(tiny, [prompt], 20, close=lambda ids: len(ids) >= 3, hidden=True)
     eot = tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    (g, mean), = fast.decode(tiny, [prompt], 20, steer=lambda ids, tok: eot if len(ids) >= 3 else tok, hidden=True)
     assert len(g.token_ids) == 4 and g.token_ids[-1] == eot
     with torch.no_grad():
         h = tiny.model.get_decoder()(input_ids=torch.tensor([prompt + g.token_ids])).last_hidden_state[0]
@@ -709,3 +710,69 @@ def test_a_hybrid_thinking_template_is_told_not_to_think(tiny_dir):
                          "{% if enable_thinking is defined and enable_thinking is false %}<no-think>"
                          "{% else %}<think>{% endif %}")
     assert tok.decode(rm.chat_prompt_ids(tok, [{"role": "user", "content": "hi"}])).endswith("<no-think>")
+
+
+# ----------------------------------------------------------------------------- the 'slots' rubric format
+def test_the_slot_frame_writes_the_numbers_and_line_breaks_by_hand(tiny):
+    """SlotFrame.steer, token by token (SmolLM2's tokenizer: "1." = [33, 30], "2." = [34, 30], line break 198):
+    the frame writes each slot's number whatever μ draws, keeps μ's words, turns a drawn line break or
+    end-of-turn token into the line break to the next slot (or the end after the K-th) and cuts a slot at
+    its cap. K = 2, max_new_tokens 12: cap = (12 − 4 − 2) // 2 = 3 words a slot."""
+    eot = tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    frame = rm.SlotFrame(tiny.tokenizer, 2, [eot], eot)
+    assert frame.opens == [[33, 30], [34, 30]] and frame.newline == 198
+    steer, new = frame.steer(12), []
+    the, query, names, x = 378, 8520, 3834, 2273               # " The", " query", " names", " X"
+    for drawn, want in [(eot, 33), (eot, 30), (the, the), (1116, 198),   # "\n\n" drawn: slot 1 ends
+                        (the, 34), (the, 30), (the, the), (query, query), (names, names), (x, eot)]:   # cap: 3
+        new.append(steer(new, drawn))
+        assert new[-1] == want, (new, drawn)
+    assert tiny.tokenizer.decode(new, skip_special_tokens=True) == "1. The\n2. The query names"
+    assert rm.parse_slots("1. The\n2. The query names", 2) == (["The", "The query names"], True, 2)
+    assert rm.parse_slots("1.\n2. b", 2) == (["", "b"], False, 1)                  # an empty slot: not K criteria
+    with pytest.raises(ValueError, match="no room"):
+        frame.steer(6)
+
+
+def test_slots_rubrics_hold_k_criteria_by_construction(tiny):
+    """μ in the 'slots' format writes K numbered criteria within max_new_tokens, on both engines (the same
+    tokens); the teacher's criteria encode to the ids the frame would write; a μ that only wants to stop
+    still fills K slots (empty ones: Rubric.complete tells)."""
+    mu = RubricModel(tiny, k=3, examples=0, rubric_format="slots")
+    outs = {}
+    for engine in ("plain", "fast"):
+        tiny.engine = engine
+        outs[engine] = mu.generate_rubrics(CTX, temperature=0.0, max_new_tokens=24)
+    tiny.engine = "fast"
+    assert [r.token_ids for r in outs["plain"]] == [r.token_ids for r in outs["fast"]]
+    for r in outs["fast"]:
+        lines = r.text.split("\n")
+        assert len(lines) == 3 and [x[:2] for x in lines] == ["1.", "2.", "3."] and len(r.token_ids) <= 24
+        assert r.parsed and r.n_written == 3 and r.complete and all(r.criteria)
+        assert r.token_ids[-1] == tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    teacher = mu.rubric_from_criteria(["The query names Vora Keld.", "It looks for\nher guild.", "Hop 1 of 2."])
+    assert teacher.text == "1. The query names Vora Keld.\n2. It looks for her guild.\n3. Hop 1 of 2."
+    assert teacher.criteria == ["The query names Vora Keld.", "It looks for her guild.", "Hop 1 of 2."]
+    steer, new = mu.frame.steer(64), []
+    for tok in teacher.token_ids:                   # μ drawing the teacher's words: the frame writes the same ids
+        new.append(steer(new, tok))
+    assert new == teacher.token_ids
+    eot = tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    steer, new = mu.frame.steer(24), []
+    while not new or new[-1] != eot:               # a μ that draws the end of its turn at every token
+        new.append(steer(new, eot))
+    stops = mu.rubric_from_ids(new)
+    assert stops.text == "1.\n2.\n3." and stops.criteria == ["", "", ""] and not stops.complete
+    assert "one per line" in rm.rubric_messages(CTX[0], 3, fmt="slots")[0]["content"]   # the instruction: system
+    assert tiny.tokenizer.decode(mu.prompt_ids(CTX[0])).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("criterion, copied", [
+    ("Searches left: 2", True), ("searches left: 2.", True),        # a line of the prompt, any case, end punctuation
+    ("Vora Keld", True), ("vora   keld", True),                     # an entity name of the question
+    ("Who founded the guild", True),                                # the question's first words
+    ("The query names Vora Keld, whose guild the question needs", False),
+    ("Searches left: 1", False), ("", False)])
+def test_a_criterion_copied_from_the_prompt_by_hand(criterion, copied):
+    prompt = "Question: Who founded the guild that trained Vora Keld?\n\nSteps so far:\nNone yet.\n\nSearches left: 2"
+    assert rm.copied_from_prompt(criterion, prompt) is copied

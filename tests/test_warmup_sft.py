@@ -66,8 +66,7 @@ def test_policy_and_rubric_sft_lower_their_losses(tiny_dir, tmp_path, retriever)
     assert pi_examples and mu_items
 
     pi = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
-    losses = warmup.train_policy_sft(pi, pi_examples, epochs=4, lr=3e-2, batch_size=4, progress=False,
-                                     micro_batch=2)["losses"]
+    losses = warmup.train_policy_sft(pi, pi_examples, epochs=4, lr=3e-2, batch_size=4, progress=False)["losses"]
     assert losses[-1] < losses[0]
     assert not hasattr(pi.model, "peft_config") and len(pi.merged) == 1     # merged after SFT
 
@@ -104,8 +103,8 @@ def test_score_head_fit_lowers_eq7_score_term_and_moves_only_the_head(tiny_dir, 
 
 def test_pi_sft_backward_is_the_plain_token_mean(tiny_dir, tmp_path, retriever):
     """The shared-prefix, packed π SFT pass gives the loss and the LoRA gradient of the plain definition:
-    −Σ log p(target tokens) / (target tokens in the batch), one ordinary pass per sequence; whatever the
-    micro-batch."""
+    −Σ log p(target tokens) / (target tokens in the batch), one ordinary pass per sequence; however the batch
+    is cut into passes (single steps, pairs, trajectories packed to a token budget, all in one)."""
     import env
     examples = env.load_split("synthetic", "train", size=3, seed=0)
     warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=1, K=3, progress=False)
@@ -121,10 +120,11 @@ def test_pi_sft_backward_is_the_plain_token_mean(tiny_dir, tmp_path, retriever):
     lp = rm.sequence_logprobs(pi, [p for p, _ in batch], [r for _, r in batch])
     plain = -lp.logprobs.sum() / lp.mask.sum()
     want = torch.autograd.grad(plain, params)
-    for micro in (1, 2, 5):
+    for units, budget in (([[i] for i in range(5)], None), ([[0, 1], [2, 3], [4]], None),
+                          (warmup.trajectory_units(pi_examples), 300), ([list(range(5))], None)):
         for p in params:
             p.grad = None
-        got = warmup.policy_sft_backward(pi, batch, micro)
+        got = warmup.policy_sft_backward(pi, batch, units, budget)
         assert got == pytest.approx(float(plain.detach()), rel=1e-5)
         for g, p in zip(want, params):
             torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
@@ -134,7 +134,7 @@ def test_pi_sft_backward_is_the_plain_token_mean(tiny_dir, tmp_path, retriever):
 def test_rubric_sft_backward_is_the_same_on_both_engines(tiny_dir, tmp_path, retriever, mode, reduction):
     """The fast engine's μ SFT passes (shared prefix, packed) give Eq. 7's loss and gradient (LoRA and score
     head) of the plain engine on the whole batch in one pass (one ordinary forward per sequence); whatever
-    the micro-batch."""
+    the passes (single steps, pairs, the trajectories, the whole batch)."""
     import env
     examples = env.load_split("synthetic", "train", size=2, seed=0)
     warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=2, K=3, progress=False)
@@ -146,13 +146,13 @@ def test_rubric_sft_backward_is_the_same_on_both_engines(tiny_dir, tmp_path, ret
         p.data.normal_(0, 0.05)
     params = [p for g in mu.parameter_groups(1.0, 1.0) for p in g["params"]]
     mu.backbone.engine = "plain"                 # the engine is the backbone's (--engine at load)
-    loss = warmup.rubric_sft_backward(mu, items, 10.0, len(items), reduction)
+    loss = warmup.rubric_sft_backward(mu, items, 10.0, [list(range(len(items)))], reduction)
     want = [p.grad.clone() for p in params]
     mu.backbone.engine = "fast"
-    for micro in (1, 2, 5):
+    for units in ([[i] for i in range(5)], [[0, 1], [2, 3], [4]], warmup.trajectory_units(items), [list(range(5))]):
         for p in params:
             p.grad = None
-        got = warmup.rubric_sft_backward(mu, items, 10.0, micro, reduction)
+        got = warmup.rubric_sft_backward(mu, items, 10.0, units, reduction, pass_tokens=400)
         assert got == pytest.approx(loss, rel=1e-5)
         for g, p in zip(want, params):
             torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
@@ -193,7 +193,7 @@ def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
     out = tmp_path / "warmup"
     args = warmup.Args(dataset="synthetic", warmup_size=3, warmup_samples=2, eval_size=3, out_dir=str(out),
                        model=str(tiny_dir), device="cpu", sft_epochs_pi=2, sft_epochs_mu=1, sft_batch_pi=4,
-                       sft_batch_mu=4, micro_batch=4, max_new_tokens_pi=8, warmup_probe=4, progress=False,
+                       sft_batch_mu=4, max_new_tokens_pi=8, warmup_probe=4, progress=False,
                        sft_head_steps=0)              # the release's (the cpu preset fits the head: 500 steps)
     assert args.sft_questions_mu == 8 and args.preset == "cpu"     # the rest: the cpu preset, as in arco.py
     warmup.run(args)
@@ -234,7 +234,7 @@ def test_mu_on_pi_own_rollouts_end_to_end_on_tiny_model(tiny_dir, tmp_path, retr
     out = tmp_path / "warmup"
     args = warmup.Args(dataset="synthetic", warmup_size=3, warmup_samples=2, eval_size=2, out_dir=str(out),
                        model=str(tiny_dir), device="cpu", sft_epochs_pi=1, sft_epochs_mu=1, sft_batch_pi=4,
-                       sft_batch_mu=4, micro_batch=4, max_new_tokens_pi=8, warmup_probe=2, progress=False,
+                       sft_batch_mu=4, max_new_tokens_pi=8, warmup_probe=2, progress=False,
                        sft_head_steps=0, sft_questions_mu=2, mu_data="policy")
     warmup.run(args)
     records = env.read_jsonl(out / "policy_rollouts" / "records.jsonl")
@@ -258,7 +258,7 @@ def test_warmup_evaluates_on_its_own_dev_size_and_keeps_the_base_evaluation(tiny
     out = tmp_path / "warmup"
     args = warmup.Args(dataset="synthetic", warmup_size=3, warmup_samples=1, eval_size=3, sft_eval_size=2,
                        out_dir=str(out), model=str(tiny_dir), device="cpu", sft_epochs_pi=1, sft_batch_pi=4,
-                       micro_batch=4, max_new_tokens_pi=8, progress=False, train_mu=False)
+                       max_new_tokens_pi=8, progress=False, train_mu=False)
     warmup.run(args)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["dev_questions"] == 2 and metrics["base"]["n"] == 2 and metrics["sft_only_settings"]["eval_size"] == 2
