@@ -128,8 +128,8 @@ class Args(warmup.Settings):
                                                    "(release); the paper writes r_t ~ p_θ")
     pi_lr_sparse: float | None = from_preset(paper=1e-5, cpu=2e-4, help="π LoRA learning rate, sparse epochs (1e-5)")
     pi_lr_dense: float | None = from_preset(paper=3e-6, cpu=1e-4, help="π LoRA learning rate, dense epochs (3e-6)")
-    mu_lr: float | None = from_preset(paper=1e-5, cpu=1e-4, help="μ LoRA learning rate (1e-5)")
-    head_lr: float | None = from_preset(paper=5e-4, cpu=1e-3, help="μ score-head learning rate (5e-4)")
+    mu_lr: float | None = from_preset(paper=1e-5, cpu=1e-5, help="μ LoRA learning rate (1e-5)")
+    head_lr: float | None = from_preset(paper=5e-4, cpu=5e-4, help="μ score-head learning rate (5e-4)")
     kl_pi_sparse: float | None = from_preset(paper=0.0, cpu=0.0, help="λ_π in sparse epochs (Eq. 3; release 0, Alg. 1 "
                                              "line 35 has the KL in every epoch)")
     kl_pi_dense: float | None = from_preset(paper=0.05, cpu=0.05, help="λ_π in dense epochs (Eq. 3; release 0.05)")
@@ -464,8 +464,9 @@ def run(args: Args) -> Path:
                         learning_curve_point(run_dir, epoch, b, pi, dev[:args.curve_size], args, retriever)
                     if ctrl_c.agreed() and b + 1 < len(batches):
                         ctrl_c.stop(run_dir, pi, mu, opt_pi, opt_mu, epoch, history, b + 1)
-                ev, trajs = evaluate_policy(pi, dev, args, retriever)
-                history.append(log_evaluation(run_dir, epoch, ev, trace_rows(trajs, epoch, -1), phase["dense"]))
+                if args.eval_every_epoch or phase["selectable"] or epoch == args.epochs:   # the dev evaluation
+                    ev, trajs = evaluate_policy(pi, dev, args, retriever)
+                    history.append(log_evaluation(run_dir, epoch, ev, trace_rows(trajs, epoch, -1), phase["dense"]))
                 save_checkpoint(run_dir / "checkpoints" / f"epoch_{epoch}", pi, mu, opt_pi, opt_mu, epoch, history)
                 if ctrl_c.agreed() and epoch < args.epochs:
                     ctrl_c.stop(run_dir, pi, mu, opt_pi, opt_mu, epoch, history)

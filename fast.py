@@ -463,14 +463,14 @@ def _prefill(bb: Backbone, seqs: Sequence[Sequence[int]], memo: PromptMemo | Non
 
 @torch.no_grad()
 def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-           batch_size: int = 16, steer: Callable[[list[int], int], int] | None = None,
+           batch_size: int = 16, steer: Callable[[list[int], int, torch.Tensor], int] | None = None,
            hidden: bool = False, memo: PromptMemo | None = None,
            seeds: Sequence[int] | None = None) -> list[tuple[Generation, torch.Tensor | None]]:
     """Batched decoding with a KV cache, the batch's common prefix run once (SharedPrefix).
 
     Greedy (temperature 0): a row leaves the batch when it is done — at an end-of-turn token or at
-    max_new_tokens; `steer(its new ids, the drawn token)` returns the token written in place of the drawn
-    one (μ's rubric frames: RubricModel.steer). With `hidden` every token is fed
+    max_new_tokens; `steer(its new ids, the drawn token, the step's logits [V])` returns the token written in
+    place of the drawn one (μ's rubric frames: RubricModel.steer). With `hidden` every token is fed
     once (greedy only), so the mean of the last hidden states over prompt + reply (μ's pooled vector, Eq. 2) comes
     with the text: a score pass for free. Sampling (temperature > 0) draws as transformers' generate
     does — softmax(logits / T) in fp32, one torch.multinomial over the whole batch at every step until
@@ -515,9 +515,9 @@ def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
                     pick = torch.multinomial(probs, 1)[live, 0].tolist()
                 else:
                     pick = logits.argmax(-1).tolist()
-                for row, tok in zip(rows, pick):
+                for k, (row, tok) in enumerate(zip(rows, pick)):
                     if row in alive:
-                        new[row].append(steer(new[row], tok) if steer is not None else tok)
+                        new[row].append(steer(new[row], tok, logits[k]) if steer is not None else tok)
                 ended = [row for row in alive if new[row][-1] in stops or len(new[row]) >= max_new_tokens]
                 writing = set(alive)                 # rows whose newest token is fed next (for `hidden`)
                 alive = [row for row in alive if row not in ended]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -561,14 +562,15 @@ def end_of_reply(bb: Backbone) -> tuple[list[int], int]:
 
 @torch.no_grad()
 def plain_decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-                 batch_size: int = 16, steer: Callable[[list[int], int], int] | None = None, hidden: bool = False,
+                 batch_size: int = 16, steer: Callable[[list[int], int, torch.Tensor], int] | None = None,
+                 hidden: bool = False,
                  memo=None, seeds: Sequence[int] | None = None) -> list[tuple[Generation, torch.Tensor | None]]:
     """The plain engine's generation: one prompt at a time, the model's own KV cache (transformers), one token
     per step. Greedy (temperature 0) takes the argmax of the fp32 logits; sampling draws from softmax(logits / T)
     in fp32 with torch.multinomial, from the prompt's own generator when `seeds` are given (one per prompt: its
     tokens then depend on its seed alone, as in fast.decode), else from torch's global one. A reply ends at an
-    end-of-turn token or at max_new_tokens. `steer(its new ids, the drawn token)` returns the token written in
-    place of the drawn one (μ's rubric frames: RubricModel.steer). With `hidden` (greedy) every new token is fed once too,
+    end-of-turn token or at max_new_tokens. `steer(its new ids, the drawn token, the step's logits [V])` returns
+    the token written in place of the drawn one (μ's rubric frames: RubricModel.steer). With `hidden` (greedy) every new token is fed once too,
     so the mean of the last hidden states over prompt + reply (μ's pooled vector, Eq. 2) comes with the text.
     `batch_size` and `memo` are unused. Returns (Generation, mean hidden [H] or None) per prompt, in order."""
     if hidden and temperature > 0:
@@ -592,7 +594,7 @@ def plain_decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens:
                     tok = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=stream))
                 else:
                     tok = int(logits.argmax())
-                new.append(steer(new, tok) if steer is not None else tok)
+                new.append(steer(new, tok, logits) if steer is not None else tok)
                 done = new[-1] in stops or len(new) >= max_new_tokens
                 if done and not hidden:
                     break
@@ -958,7 +960,10 @@ def copied_from_prompt(criterion: str, prompt: str) -> bool:
 class SlotFrame:
     """The 'slots' format's frame (RUBRIC_FORMATS): μ's reply is `1. <criterion>\n2. <criterion>\n…K. <criterion>`,
     and the decoder, not μ, writes the numbers, the line breaks and the end of the reply (`steer`). A criterion
-    never holds a line break, so the line breaks in a reply's ids are the frame's own."""
+    never holds a line break, so the line breaks in a reply's ids are the frame's own. A criterion holds at least
+    MIN_WORDS words: where μ would end its line sooner, the frame writes μ's likeliest token that does not end it
+    (as a minimum length does for a whole reply); the oracle teacher's criteria hold 7 or more."""
+    MIN_WORDS = 5
 
     def __init__(self, tokenizer, k: int, stops: Sequence[int], eot: int):
         self.opens = [tokenizer(f"{j}.", add_special_tokens=False)["input_ids"] for j in range(1, k + 1)]
@@ -966,26 +971,44 @@ class SlotFrame:
         if len(newline) != 1:
             raise ValueError(f"the 'slots' rubric format needs a tokenizer with one token for a line break, got {newline}")
         self.tokenizer, self.k, self.newline, self.eot = tokenizer, k, newline[0], eot
-        self.breaks = set(stops) | {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
+        self.breaks = sorted(set(stops) | {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])})
+        self._masks: dict[int, torch.Tensor] = {}
 
-    def steer(self, max_new_tokens: int) -> Callable[[list[int], int], int]:
-        """The decoder's `steer` for replies of at most max_new_tokens: given the reply's ids so far and the token
-        μ drew, the token to write — the next token of slot j's number "j." while it is being opened; μ's own
-        token inside a slot; and, when μ ends its line (a token holding a line break, or an end-of-turn token)
-        or the slot holds `cap` tokens, the line break to the next slot, or the end of the reply after the K-th.
-        cap leaves room for all K slots within max_new_tokens."""
+    def break_mask(self, size: int, device) -> torch.Tensor:
+        """[size] True at the tokens that end a line (a vocabulary padded past the tokenizer's length included)."""
+        if size not in self._masks:
+            mask = torch.zeros(size, dtype=torch.bool)
+            mask[[b for b in self.breaks if b < size]] = True
+            self._masks[size] = mask
+        return self._masks[size].to(device)
+
+    def steer(self, max_new_tokens: int) -> Callable[[list[int], int, torch.Tensor], int]:
+        """The decoder's `steer` for replies of at most max_new_tokens: given the reply's ids so far, the token μ
+        drew and the step's logits, the token to write — the next token of slot j's number "j." while it is being
+        opened; μ's own token inside a slot; when μ ends its line (a token holding a line break, or an
+        end-of-turn token) before MIN_WORDS words, its likeliest token that does not; and, when μ ends its line
+        after them or the slot holds `cap` tokens, the line break to the next slot, or the end of the reply after
+        the K-th. cap leaves room for all K slots within max_new_tokens."""
         cap = (max_new_tokens - sum(map(len, self.opens)) - self.k) // self.k
         if cap < 1:
             raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for {self.k} criteria in the 'slots' frame")
+        breaks = set(self.breaks)
 
-        def steer(new: list[int], drawn: int) -> int:
+        def steer(new: list[int], drawn: int, logits: torch.Tensor) -> int:
             j = new.count(self.newline)                                       # slots closed so far
-            at = len(new) - (len(new) - new[::-1].index(self.newline) if j else 0)   # tokens written in slot j
+            start = len(new) - new[::-1].index(self.newline) if j else 0
+            at = len(new) - start                                             # tokens written in slot j
             if at < len(self.opens[j]):
                 return self.opens[j][at]                                      # the slot's number, "j."
-            if drawn in self.breaks or at - len(self.opens[j]) >= cap:        # μ ended its line, or the slot is full
+            if at - len(self.opens[j]) >= cap:                                # the slot is full
                 return self.newline if j + 1 < self.k else self.eot
-            return drawn
+            if drawn not in breaks:
+                return drawn
+            words = self.tokenizer.decode(new[start + len(self.opens[j]):], skip_special_tokens=True).split()
+            if len(words) < self.MIN_WORDS:                                   # too short to end: μ's best other token
+                return int(logits.float().masked_fill(self.break_mask(logits.shape[-1], logits.device), -math.inf)
+                           .argmax())
+            return self.newline if j + 1 < self.k else self.eot              # μ ended its line
         return steer
 
     def ids(self, criteria: Sequence[str]) -> list[int]:
@@ -1166,14 +1189,14 @@ class RubricModel:
         of r_t and is not scored."""
         return self.annotate(contexts, temperature, max_new_tokens, batch_size, scores=False)[0]
 
-    def steer(self, max_new_tokens: int) -> Callable[[list[int], int], int]:
+    def steer(self, max_new_tokens: int) -> Callable[[list[int], int, torch.Tensor], int]:
         """The decoder's `steer` for μ's replies: the slot frame ('slots'), or, for 'json', the end-of-turn
         token in place of whatever μ draws once its reply completes the JSON list."""
         if self.rubric_format == "slots":
             return self.frame.steer(max_new_tokens)
         tok, eot = self.backbone.tokenizer, end_of_reply(self.backbone)[1]
 
-        def closing(new: list[int], drawn: int) -> int:
+        def closing(new: list[int], drawn: int, logits: torch.Tensor) -> int:
             closed = new and "]" in tok.decode(new[-1:]) and \
                 _json_criteria(RUBRIC_OPENING + tok.decode(new, skip_special_tokens=True)) is not None
             return eot if closed else drawn

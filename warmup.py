@@ -88,6 +88,13 @@ class Settings(ModelSettings):
     declared with `from_preset(paper=..., cpu=...)` take the --preset's value when the command line leaves them
     unset; the README's table "paper | release | this implementation" says where each value comes from."""
     rollout_temperature: float | None = from_preset(paper=0.7, cpu=0.7, help="π's sampling temperature (release 0.7)")
+    base_eval: bool | None = from_preset(paper=True, cpu=False, help="evaluate the base model on the dev questions "
+                                         "before π SFT (the warmup's first row; the embedded SmolLM2 scores 0 EM: "
+                                         "it has not learned the action format, README)")
+    eval_every_epoch: bool | None = from_preset(paper=True, cpu=False, help="evaluate on the dev questions after "
+                                                "every π SFT epoch (the best is kept) and every RL epoch (release); "
+                                                "off: after the last π SFT epoch (kept) and after the RL epochs "
+                                                "§4.1's checkpoint selection reads (those after --sparse-epochs)")
     sft_eval_size: int = field(default=0, metadata={
         "help": "dev questions of the warmup's base and π SFT evaluations (the choice of π SFT's epoch); 0 = "
                 "--eval-size. A smaller one saves the warmup's time; arco.py then evaluates epoch 0 itself"})
@@ -146,7 +153,7 @@ class Settings(ModelSettings):
                                            help="warmup π SFT examples per optimizer step (release 64)")
     sft_batch_mu: int | None = from_preset(paper=32, cpu=8, min=1,
                                            help="warmup μ SFT steps per optimizer step (release 32)")
-    sft_questions_mu: int | None = from_preset(paper=0, cpu=8, help="warmup μ SFT on the trajectories of the first "
+    sft_questions_mu: int | None = from_preset(paper=0, cpu=40, help="warmup μ SFT on the trajectories of the first "
                                                "this many warmup questions (0 = all; release)")
     max_new_tokens_mu: int | None = from_preset(paper=128, cpu=96, min=1, help="μ's max new tokens per rubric (128)")
     rubric_format: str | None = from_preset(paper="json", cpu="slots", choices=list(RUBRIC_FORMATS),
@@ -1334,12 +1341,13 @@ def dev_rank(scores: dict) -> tuple:
 
 def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch_size: int = 8, seed: int = 0,
                      progress: bool = True, pass_tokens: int | None = 1024, weight_decay: float = 0.0,
-                     evaluate: Callable | None = None) -> dict:
+                     evaluate: Callable | None = None, every_epoch: bool = True) -> dict:
     """π warmup (App. B): a LoRA trained on (policy prompt → action), then merged into the weights.
 
     AdamW with a 3%-warmup cosine schedule (the release's). With `evaluate` (π → its dev scores), π is
     evaluated after every epoch and the epoch with the best dev EM is kept (the release's choice), App.
-    B's "the selected policy checkpoint initializes π"; see dev_rank for ties. Returns the mean loss of
+    B's "the selected policy checkpoint initializes π"; see dev_rank for ties. Without `every_epoch`, only
+    the last epoch is evaluated (and kept). Returns the mean loss of
     each epoch, the evaluations, and the chosen epoch with its scores and trajectories.
     """
     from tqdm import tqdm
@@ -1363,7 +1371,7 @@ def train_policy_sft(pi, examples: Sequence[dict], epochs: int, lr: float, batch
         losses.append(total / max(len(data), 1))
         pi.model.eval()
         line = f"[warmup] π SFT epoch {epoch + 1}: loss {losses[-1]:.4f}"
-        if evaluate is not None:
+        if evaluate is not None and (every_epoch or epoch + 1 == epochs):
             scores, trajs = evaluate(pi)
             evals.append(scores)
             line += f", dev EM {scores['em']:.1f} F1 {scores['f1']:.1f}"
@@ -1566,7 +1574,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
             with MEMORY.phase("dev evaluation"):
                 return env.evaluate(dev, policy_act(policy, 0.0, args.max_new_tokens_pi, args.gen_batch), retriever,
                                     obs_chars=args.obs_chars)               # greedy
-        if old.get("base_settings") != settings:            # kept at once: a resumed warmup does not redo it
+        if args.base_eval and old.get("base_settings") != settings:   # kept at once: a resumed warmup does not redo it
             print(f"[warmup] evaluating the base policy ({args.model}) on {len(dev)} dev questions", flush=True)
             metrics["base"], _ = dev_eval(pi)
             metrics["base_settings"] = settings
@@ -1574,7 +1582,7 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         torch.manual_seed(args.seed)            # π's LoRA initialization and dropout: a warmup repeats exactly
         with MEMORY.phase("π SFT"):
             sft = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi, args.sft_batch_pi, args.seed,
-                                   args.progress, args.pass_tokens, args.weight_decay, dev_eval)
+                                   args.progress, args.pass_tokens, args.weight_decay, dev_eval, args.eval_every_epoch)
         metrics["pi_sft_loss_per_epoch"] = sft["losses"]
         metrics["pi_sft_dev_em_per_epoch"] = [e["em"] for e in sft["evals"]]
         metrics["pi_sft_epoch"] = sft["best"]["epoch"]
@@ -1584,8 +1592,8 @@ def run_sft(args: "Args", out_dir: Path, pi_examples: Sequence[dict], mu_items: 
         # What arco.py needs to take this evaluation as its epoch 0 instead of repeating it.
         metrics["sft_only_settings"] = settings
         env.write_jsonl(out_dir / "eval_sft_only.jsonl", [t.to_dict() for t in trajs])
-        print(f"[warmup] dev EM: base {metrics['base']['em']:.1f} -> SFT only {metrics['sft_only']['em']:.1f}",
-              flush=True)
+        base = f"base {metrics['base']['em']:.1f} -> " if "base" in metrics else ""
+        print(f"[warmup] dev EM: {base}SFT only {metrics['sft_only']['em']:.1f}", flush=True)
         del pi
         env.write_json(out_dir / "metrics.json", metrics)
     name = mu_dir_name(dataclasses.asdict(args))

@@ -643,7 +643,8 @@ def test_decoding_stops_where_the_reply_is_complete(tiny):
     as μ's JSON rubric ends where its list closes; the row then ends."""
     prompt = rm.chat_prompt_ids(tiny.tokenizer, [{"role": "user", "content": "hi"}])
     eot = tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    (g, mean), = fast.decode(tiny, [prompt], 20, steer=lambda ids, tok: eot if len(ids) >= 3 else tok, hidden=True)
+    (g, mean), = fast.decode(tiny, [prompt], 20, steer=lambda ids, tok, logits: eot if len(ids) >= 3 else tok,
+                             hidden=True)
     assert len(g.token_ids) == 4 and g.token_ids[-1] == eot
     with torch.no_grad():
         h = tiny.model.get_decoder()(input_ids=torch.tensor([prompt + g.token_ids])).last_hidden_state[0]
@@ -715,20 +716,31 @@ def test_a_hybrid_thinking_template_is_told_not_to_think(tiny_dir):
 # ----------------------------------------------------------------------------- the 'slots' rubric format
 def test_the_slot_frame_writes_the_numbers_and_line_breaks_by_hand(tiny):
     """SlotFrame.steer, token by token (SmolLM2's tokenizer: "1." = [33, 30], "2." = [34, 30], line break 198):
-    the frame writes each slot's number whatever μ draws, keeps μ's words, turns a drawn line break or
-    end-of-turn token into the line break to the next slot (or the end after the K-th) and cuts a slot at
-    its cap. K = 2, max_new_tokens 12: cap = (12 − 4 − 2) // 2 = 3 words a slot."""
+    the frame writes each slot's number whatever μ draws, keeps μ's words, replaces a line break μ draws before
+    MIN_WORDS (5) words by μ's likeliest other token, turns a later drawn line break or end-of-turn token into
+    the line break to the next slot (or the end after the K-th), and cuts a slot at its cap. K = 2,
+    max_new_tokens 20: cap = (20 − 4 − 2) // 2 = 7 tokens a slot."""
     eot = tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
     frame = rm.SlotFrame(tiny.tokenizer, 2, [eot], eot)
-    assert frame.opens == [[33, 30], [34, 30]] and frame.newline == 198
-    steer, new = frame.steer(12), []
-    the, query, names, x = 378, 8520, 3834, 2273               # " The", " query", " names", " X"
-    for drawn, want in [(eot, 33), (eot, 30), (the, the), (1116, 198),   # "\n\n" drawn: slot 1 ends
-                        (the, 34), (the, 30), (the, the), (query, query), (names, names), (x, eot)]:   # cap: 3
-        new.append(steer(new, drawn))
+    assert frame.opens == [[33, 30], [34, 30]] and frame.newline == 198 and frame.MIN_WORDS == 5
+    the, query, names, x, y = (tiny.tokenizer(w, add_special_tokens=False)["input_ids"][0]
+                               for w in (" The", " query", " names", " X", " Y"))
+
+    def prefer(tok):                 # logits whose best token is a line break, the next best `tok`
+        logits = torch.zeros(len(tiny.tokenizer))
+        logits[198], logits[tok] = 10.0, 5.0
+        return logits
+    steer, new = frame.steer(20), []
+    for drawn, best, want in [(eot, the, 33), (eot, the, 30), (the, the, the), (1116, query, query),   # "\n\n": 1 word
+                              (names, names, names), (x, x, x), (eot, y, y),        # 4 words: not yet
+                              (198, y, 198),                                        # 5 words: slot 1 ends
+                              (the, the, 34), (the, the, 30), *[(t, t, t) for t in (the, query, names, x, y, the, query)],
+                              (names, names, eot)]:                                # cap 7: the reply ends
+        new.append(steer(new, drawn, prefer(best)))
         assert new[-1] == want, (new, drawn)
-    assert tiny.tokenizer.decode(new, skip_special_tokens=True) == "1. The\n2. The query names"
-    assert rm.parse_slots("1. The\n2. The query names", 2) == (["The", "The query names"], True, 2)
+    text = tiny.tokenizer.decode(new, skip_special_tokens=True)
+    assert text == "1. The query names X Y\n2. The query names X Y The query"
+    assert rm.parse_slots(text, 2) == (["The query names X Y", "The query names X Y The query"], True, 2)
     assert rm.parse_slots("1.\n2. b", 2) == (["", "b"], False, 1)                  # an empty slot: not K criteria
     with pytest.raises(ValueError, match="no room"):
         frame.steer(6)
@@ -737,7 +749,7 @@ def test_the_slot_frame_writes_the_numbers_and_line_breaks_by_hand(tiny):
 def test_slots_rubrics_hold_k_criteria_by_construction(tiny):
     """μ in the 'slots' format writes K numbered criteria within max_new_tokens, on both engines (the same
     tokens); the teacher's criteria encode to the ids the frame would write; a μ that only wants to stop
-    still fills K slots (empty ones: Rubric.complete tells)."""
+    still writes K criteria of MIN_WORDS words."""
     mu = RubricModel(tiny, k=3, examples=0, rubric_format="slots")
     outs = {}
     for engine in ("plain", "fast"):
@@ -750,19 +762,21 @@ def test_slots_rubrics_hold_k_criteria_by_construction(tiny):
         assert len(lines) == 3 and [x[:2] for x in lines] == ["1.", "2.", "3."] and len(r.token_ids) <= 24
         assert r.parsed and r.n_written == 3 and r.complete and all(r.criteria)
         assert r.token_ids[-1] == tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    teacher = mu.rubric_from_criteria(["The query names Vora Keld.", "It looks for\nher guild.", "Hop 1 of 2."])
-    assert teacher.text == "1. The query names Vora Keld.\n2. It looks for her guild.\n3. Hop 1 of 2."
-    assert teacher.criteria == ["The query names Vora Keld.", "It looks for her guild.", "Hop 1 of 2."]
-    steer, new = mu.frame.steer(64), []
+    teacher = mu.rubric_from_criteria(["The query names Vora Keld.", "It looks for\nher guild.", "It is hop 1 of 2."])
+    assert teacher.text == "1. The query names Vora Keld.\n2. It looks for her guild.\n3. It is hop 1 of 2."
+    assert teacher.criteria == ["The query names Vora Keld.", "It looks for her guild.", "It is hop 1 of 2."]
+    steer, new, flat = mu.frame.steer(64), [], torch.zeros(len(tiny.tokenizer))
     for tok in teacher.token_ids:                   # μ drawing the teacher's words: the frame writes the same ids
-        new.append(steer(new, tok))
+        new.append(steer(new, tok, flat))
     assert new == teacher.token_ids
     eot = tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
     steer, new = mu.frame.steer(24), []
-    while not new or new[-1] != eot:               # a μ that draws the end of its turn at every token
-        new.append(steer(new, eot))
+    logits = torch.zeros(len(tiny.tokenizer))
+    logits[eot], logits[378] = 9.0, 1.0
+    while not new or new[-1] != eot:                # a μ that wants to end its turn at every token: MIN_WORDS, then
+        new.append(steer(new, eot, logits))         # each slot ends (cap (24 − 6 − 3) // 3 = 5 tokens)
     stops = mu.rubric_from_ids(new)
-    assert stops.text == "1.\n2.\n3." and stops.criteria == ["", "", ""] and not stops.complete
+    assert stops.text == "1. The The The The The\n2. The The The The The\n3. The The The The The" and stops.complete
     assert "one per line" in rm.rubric_messages(CTX[0], 3, fmt="slots")[0]["content"]   # the instruction: system
     assert tiny.tokenizer.decode(mu.prompt_ids(CTX[0])).endswith("<|im_start|>assistant\n")
 
