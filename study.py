@@ -57,12 +57,14 @@ from evaluate import auc_by_step_type, main_guard, parse_args
 # π_sft: one SFT epoch on 100 warmup questions (29 EM on 100 held-out questions: room for credit), μ SFT on
 # the first 40's. The release's dense/sparse ratios: π's rate × 0.3 (1e-5 → 3e-6), λ_π 0 → 0.05, α 0.5; μ at the
 # release's own rates (1e-5, head 5e-4), which kept μ's credit through RL where the cpu preset's eroded it. μ writes
-# the release's JSON list (the `cpu` preset's K-slot frame came after the study, issue 52).
+# the release's JSON list; μ SFT and evaluation as the `cpu` preset had them when the study ran (issue 52 changed
+# the preset's since).
 STUDY = dict(dataset="synthetic-long", train_size=32, batch_size=8, group_size=4, dense_samples=4, eval_size=500,
              warmup_size=100, sft_epochs_pi=1, sft_questions_mu=40, sft_eval_size=100, warmup_questions="before",
              sparse_epochs=2, epochs=3, pi_lr_sparse=2e-4, pi_lr_dense=6e-5, kl_pi_sparse=0.0, kl_pi_dense=0.05,
              alpha=0.5, mu_lr=1e-5, head_lr=5e-4, eval_every=4, curve_size=200, rubric_format="json",
-             eval_every_epoch=True)
+             eval_every_epoch=True, sft_epochs_mu=2, sft_batch_mu=8, sft_head_steps=500, max_new_tokens_mu=96,
+             class_balance=True)
 
 # The μ-quality ladder: each row a μ SFT variant of the study's warmup (warmup.py's flag names).
 LADDER = {
