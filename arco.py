@@ -129,7 +129,7 @@ class Args(warmup.Settings):
     pi_lr_sparse: float | None = from_preset(paper=1e-5, cpu=2e-4, help="π LoRA learning rate, sparse epochs (1e-5)")
     pi_lr_dense: float | None = from_preset(paper=3e-6, cpu=1e-4, help="π LoRA learning rate, dense epochs (3e-6)")
     mu_lr: float | None = from_preset(paper=1e-5, cpu=1e-5, help="μ LoRA learning rate (1e-5)")
-    head_lr: float | None = from_preset(paper=5e-4, cpu=5e-4, help="μ score-head learning rate (5e-4)")
+    head_lr: float | None = from_preset(paper=5e-4, cpu=5e-5, help="μ score-head learning rate (5e-4)")
     kl_pi_sparse: float | None = from_preset(paper=0.0, cpu=0.0, help="λ_π in sparse epochs (Eq. 3; release 0, Alg. 1 "
                                              "line 35 has the KL in every epoch)")
     kl_pi_dense: float | None = from_preset(paper=0.05, cpu=0.05, help="λ_π in dense epochs (Eq. 3; release 0.05)")

@@ -151,11 +151,11 @@ class Settings(ModelSettings):
                                              "after μ SFT (Eq. 7's score term; release 0)")
     sft_batch_pi: int | None = from_preset(paper=64, cpu=8, min=1,
                                            help="warmup π SFT examples per optimizer step (release 64)")
-    sft_batch_mu: int | None = from_preset(paper=32, cpu=8, min=1,
+    sft_batch_mu: int | None = from_preset(paper=32, cpu=4, min=1,
                                            help="warmup μ SFT steps per optimizer step (release 32)")
-    sft_questions_mu: int | None = from_preset(paper=0, cpu=40, help="warmup μ SFT on the trajectories of the first "
+    sft_questions_mu: int | None = from_preset(paper=0, cpu=20, help="warmup μ SFT on the trajectories of the first "
                                                "this many warmup questions (0 = all; release)")
-    max_new_tokens_mu: int | None = from_preset(paper=128, cpu=96, min=1, help="μ's max new tokens per rubric (128)")
+    max_new_tokens_mu: int | None = from_preset(paper=128, cpu=64, min=1, help="μ's max new tokens per rubric (128)")
     rubric_format: str | None = from_preset(paper="json", cpu="slots", choices=list(RUBRIC_FORMATS),
                                             help="how μ writes its K criteria: json (a JSON list μ must close itself; "
                                                  "release) or slots (K numbered lines whose numbers and line breaks "
