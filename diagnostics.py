@@ -65,28 +65,24 @@ import env
 from env import step_usefulness
 import warmup
 import arco
+import plumbing
 import rubric_model
-from evaluate import _average_ranks, auc, auc_by_step_type, exact_match, f1_score, format_table, main_guard, parse_args
+import teachers
+from config import DataSettings, Split, fill_from_preset, main_guard, parse_args
+from evaluate import _average_ranks, auc, exact_match, f1_score, format_table
 
 
 @dataclass
-class Args:
+class Args(DataSettings, Split):
+    """diagnostics.py's command line: the shared settings (config.DataSettings, --split), then its own."""
     run: list[str] | None = field(default=None, metadata={"path": "dir",
         "help": "a run folder runs/<dataset>/<name>; repeat (--run A --run B) or list several to compare them; "
                 "the outputs go into the first"})
-    split: str = field(default="dev", metadata={"help": "dataset split to compare the runs on"})
-    data_dir: str | None = field(default=None, metadata={"path": "dir", "help": "folder holding <dataset>/<split>.jsonl; if unset, "
-                                                                 "the run's own --data-dir, then $ARCO_DATA_DIR, "
-                                                                 "then a download"})
     checkpoint: str | None = field(default=None, metadata={
         "help": "checkpoint of every run to compare, e.g. epoch_2 (epoch_0 = the warmup's π SFT); "
                 "default: each run's selection.json"})
     reevaluate: bool = field(default=False, metadata={
         "help": "evaluate the checkpoints again even where an evaluation is already stored"})
-    device: str = field(default="auto", metadata={
-        "help": "where models run when evaluating or diagnosing: auto, cpu, cuda"})
-    dtype: str = field(default="auto", metadata={"help": "weight dtype: auto (bfloat16 on CUDA, float32 on CPU), "
-                                                         "float32 or bfloat16", "choices": ["auto", "float32", "bfloat16"]})
     # diagnostics of μ
     diagnose: bool = field(default=False, metadata={
         "help": "also diagnose μ of the first --run (an ARCO run): credit assignment, μ as a judge, RQ3, RQ4, plots"})
@@ -94,8 +90,6 @@ class Args:
         "help": "--diagnose: dev questions of the held-out oracle trajectories with known step labels"})
     heldout_samples: int = field(default=2, metadata={"min": 1,
         "help": "--diagnose: oracle trajectories per held-out question (sample 0 gold, then imperfect variants)"})
-    seed: int = field(default=0, metadata={
-        "help": "--diagnose: seed of the held-out set, the untrained μ's score head and the Bind items"})
     judge_model: str | None = field(default=None, metadata={
         "help": "--diagnose: model of an OpenAI-compatible RQ3 judge (Bind and Spec, e.g. gpt-4o-mini; "
                 "OPENAI_API_KEY / OPENAI_BASE_URL); unset = the offline embedding judge only"})
@@ -103,6 +97,11 @@ class Args:
         "help": "--diagnose: steps per run sent to --judge-model, a seeded sample (two calls each)"})
     html_trajectories: int = field(default=6, metadata={
         "help": "--diagnose: training trajectories of the last epoch shown in trajectories.html"})
+
+    def __post_init__(self):
+        fill_from_preset(self)
+        self.split = self.split or "dev"
+
 
 # --------------------------------------------------------------------------- diagnostics: statistics (issue 6)
 # Small pure functions behind the diagnostics of μ (RQ3, RQ4, and the judge / credit-assignment
@@ -428,11 +427,11 @@ class OpenAIJudge:
             self.counters[key] += k
 
     def chat(self, messages: list[dict]) -> str | None:
-        """One greedy completion (warmup.chat_completion, with its retries); None when the API fails for good."""
+        """One greedy completion (teachers.chat_completion, with its retries); None when the API fails for good."""
         try:
-            return warmup.chat_completion(self.client, self.model, messages, 0.0, self.max_tokens, self.max_retries,
+            return teachers.chat_completion(self.client, self.model, messages, 0.0, self.max_tokens, self.max_retries,
                                           self.backoff, self.counters, self.lock)
-        except warmup.TeacherError as e:
+        except teachers.TeacherError as e:
             self.last_error = str(e)
             return None
 
@@ -520,7 +519,7 @@ def _step_html(st: dict) -> str:
 
 
 def trajectories_html(rows: Sequence[dict], title: str = "ARCO sample trajectories") -> str:
-    """One HTML page of trace rows (arco.trace_rows): question, gold, answer and R, then each step's
+    """One HTML page of trace rows (plumbing.trace_rows): question, gold, answer and R, then each step's
     action, observation head, criteria with d_{t,j}, and s_t, G_t, A_t (Eq. 2–4) coloured by sign.
     Every value is HTML-escaped; the page needs no server, no network and no JavaScript."""
     e = html.escape
@@ -691,6 +690,8 @@ def open_run(folder: str | Path, checkpoint: str | None = None) -> Run:
         raise RunError(f"{folder}: not a run folder (no args.json); give a folder arco.py wrote, "
                        f"runs/<dataset>/<name>")
     args = json.loads((folder / "args.json").read_text())
+    if (folder / "lab.json").is_file():          # a study's run: its own options (credit, mixed, ...) beside them
+        args.update(json.loads((folder / "lab.json").read_text()))
     warm = Path(args["warmup_dir"]) if args.get("warmup_dir") else folder.parent / "warmup"
     ckpts = folder / "checkpoints"
     have = sorted((p.name for p in ckpts.glob("*") if (p / "pi" / "config.json").is_file()),
@@ -756,7 +757,7 @@ def evaluation(run: Run, split: str, data_dir: str | None, device: str, reevalua
     act = rubric_model.policy_act(pi, 0.0, a["max_new_tokens_pi"], a.get("gen_batch") or 16)        # greedy
     scores, trajs = env.evaluate(examples, act, _retriever(), a.get("max_searches"), a["obs_chars"])
     del pi
-    rows = [{**row, "checkpoint": run.checkpoint} for row in arco.trace_rows(trajs, run.epoch, -1)]
+    rows = [{**row, "checkpoint": run.checkpoint} for row in plumbing.trace_rows(trajs, run.epoch, -1)]
     result = {**{k: scores[k] for k in _METRICS if k in scores}, "by_type": trajectory_scores(rows)["by_type"],
               "checkpoint": run.checkpoint, "split": split}
     env.write_jsonl(stored.with_suffix(".jsonl"), rows)
@@ -817,7 +818,8 @@ def method_of(row: dict) -> str:
 
 # Run arguments that tell seeds of one method apart (or only say where and how it ran), not its settings.
 NOT_SETTINGS = {"seed", "name", "out_dir", "resume", "dry_run", "benchmark", "device", "dtype", "autocast", "data_dir",
-                "warmup_dir", "fork_from"}     # a study's arms fork each seed from that seed's own sparse run
+                "warmup_dir", "fork_from", "init_from",   # a study's arms start from their seed's own sparse run
+                "eval_every", "curve_size"}                # the study's learning-curve points
 # What outcome RL never reads (no μ, no dense epoch): differences in these do not split its runs.
 UNUSED_BY_OUTCOME = {"sparse_epochs", "pi_lr_dense", "kl_pi_dense", "rubric", "k", "mu_model", "mu_lr", "head_lr",
                      "kl_mu", "alpha", "bucket_fallback", "class_balance", "rubric_temperature", "max_new_tokens_mu",
@@ -1084,7 +1086,7 @@ def heldout_set(run: Run, n_questions: int, samples: int, seed: int, data_dir: s
     environment. Returns (trajectories, oracle metas, step labels)."""
     a = run.args
     examples = env.load_split(a["dataset"], "dev", data_dir or a.get("data_dir") or None, n_questions, seed)
-    teacher = warmup.OracleTeacher(seed=seed, obs_chars=a.get("obs_chars") or 400)
+    teacher = teachers.OracleTeacher(seed=seed, obs_chars=a.get("obs_chars") or 400)
     trajs, metas = teacher.rollout([(ex, s) for ex in examples for s in range(samples)], _retriever())
     return trajs, metas, [step_usefulness(t) for t in trajs]
 
@@ -1190,7 +1192,7 @@ def diagnose_mu(run: Run, args: "Args") -> dict:
     """Credit assignment and the judge lens (see the module docstring) for the untrained μ, the
     warmup μ and μ after each RL epoch of `run`, on the held-out set."""
     trajs, metas, labels = heldout_set(run, args.heldout_questions, args.heldout_samples, args.seed,
-                                       args.data_dir)
+                                       args.data_dir or None)
     kinds = [[st.action for st in t.steps] for t in trajs]
     order = {qid: i for i, qid in enumerate(dict.fromkeys(t.example.id for t in trajs))}
     folds = [order[t.example.id] % 2 for t in trajs]              # crossfit_judge's two folds, by question
@@ -1391,7 +1393,7 @@ def run_command(args: "Args") -> None:
         why = "an outcome run" if runs[0].args.get("reward") == "outcome" else "no checkpoints/epoch_K/mu"
         raise RunError(f"--diagnose examines μ of the first --run, but {runs[0].dir} has no μ checkpoint ({why}); "
                        f"put an ARCO run first")
-    comp = compare_runs(runs, args.split, args.data_dir, args.device, args.reevaluate, args.dtype)
+    comp = compare_runs(runs, args.split, args.data_dir or None, args.device, args.reevaluate, args.dtype)
     stem = "comparison" if args.split == "dev" else f"comparison-{args.split}"
     md = comparison_markdown(comp)
     (runs[0].dir / f"{stem}.md").write_text(md, encoding="utf-8")

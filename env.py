@@ -33,21 +33,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from evaluate import exact_match, f1_score, main_guard, parse_args, report_predictions
+import config
+from config import DataSettings, Split, fill_from_preset, main_guard, parse_args
+from evaluate import exact_match, f1_score, report_predictions
 
 
 @dataclass
-class Args:
-    dataset: str = field(default="hotpotqa", metadata={"help": "hotpotqa, 2wiki, musique, synthetic, or all (every file)"})
-    split: str = field(default="dev", metadata={"help": "train, dev, or all"})
-    data_dir: str = field(default="", metadata={"path": "dir", "help": "folder with <dataset>/<split>.jsonl; else $ARCO_DATA_DIR, else a download"})
+class Args(DataSettings, Split):
+    """env.py's command line: the shared data settings (config.DataSettings, --split), then its own knobs."""
     size: int = field(default=0, metadata={"help": "sample this many examples (0 = all; synthetic: 200)"})
-    seed: int = field(default=0, metadata={"help": "seed of the deterministic sample and of the synthetic generator"})
-    retriever: str = field(default="", metadata={"help": "HF encoder id or path; empty = embedded all-MiniLM-L6-v2"})
-    retriever_pooling: str = field(default="mean", metadata={"help": "mean (MiniLM) or cls (SimCSE's own pooling)"})
     check_retrieval: bool = field(default=False, metadata={"help": "measure how often a supporting-title query retrieves a supporting paragraph"})
     predictions: str = field(default="", metadata={"path": "file", "help": 'score this JSONL of {"id": ..., "answer": ...} against '
                                                            '--dataset/--split (EM, F1, per question type)'})
+
+    def __post_init__(self):
+        fill_from_preset(self)
+        self.split = self.split or "dev"
 
 
 # ----------------------------------------------------------------------------------------
@@ -110,7 +111,7 @@ def write_json(path: str | Path, obj) -> None:
 # 1. Data
 # ----------------------------------------------------------------------------------------
 
-DATASETS = ("hotpotqa", "2wiki", "musique", "synthetic", "synthetic-long")
+DATASETS = config.DATASETS
 # Search budget of §4.1: 3 for HotpotQA and 2Wiki, 6 for MuSiQue; our 2-hop synthetic worlds use 3.
 DEFAULT_MAX_SEARCHES = {"hotpotqa": 3, "2wiki": 3, "musique": 6, "synthetic": 3, "synthetic-long": 5}
 GENERATED = ("synthetic", "synthetic-long")          # worlds made on the fly, any number of questions
@@ -835,7 +836,7 @@ def evaluate(examples: Sequence[Example], act: Callable[[list[list[dict]]], list
 
 def step_usefulness(trajectory, supporting: Sequence[int] | None = None) -> list[bool]:
     """Ground-truth credit labels, one per step: True = useful, False = useless (the AUC of μ's
-    s_t for useful vs useless steps where the hops are known; the ground-truth arms of arco.py, ground_truth_scores).
+    s_t for useful vs useless steps where the hops are known; the study's ground-truth arms).
 
     Useful: a valid Search whose retrieved paragraph is supporting and was not retrieved by an
     earlier step, or a valid Finish whose answer is EM-correct. Useless: an invalid step, a
@@ -868,41 +869,6 @@ def step_usefulness(trajectory, supporting: Sequence[int] | None = None) -> list
 
 
 # The analysis arms' step scores (arco.py --credit projection | causal): ground truth in μ's place, not ARCO.
-
-def projection_credit(useful: Sequence[bool], R: float) -> list[float]:
-    """The projection oracle's s_t for one trajectory (issue 33): +1 for a useful step, −1 for a useless one
-    (step_usefulness), all shifted by one constant so that Σ_t s_t = R(τ), the decomposition Eq. 5 asks of μ.
-    The shift depends on the whole trajectory (its length and outcome): an early step's score looks into the
-    future, so this is no ceiling for a μ that sees only the prefix (issue 41)."""
-    raw = [1.0 if u else -1.0 for u in useful]
-    shift = (float(R) - sum(raw)) / len(raw)
-    return [x + shift for x in raw]
-
-
-def causal_credit(found: Sequence[bool], n_hops: int, R: float) -> list[float]:
-    """The causal oracle's s_t for one trajectory (issue 41), potential-based: Φ(h_t) = the share of the chain's
-    `n_hops` supporting paragraphs found before step t (found[k]: step k retrieved one not seen before), and
-    s_t = Φ(h_{t+1}) − Φ(h_t) for every step but the last, which closes the sum: s_T = R − Φ(h_T). Then
-    Σ_t s_t = R (Φ(h_1) = 0) and Eq. 3's return is G_t = R − Φ(h_t); a step's own score uses nothing after
-    its own observation."""
-    phi, s = 0.0, []
-    for t, new in enumerate(found):
-        if t == len(found) - 1:
-            s.append(float(R) - phi)
-        else:
-            s.append(new / n_hops)                  # Φ(h_{t+1}) − Φ(h_t)
-            phi += new / n_hops
-    return s
-
-
-def ground_truth_scores(traj: Trajectory, credit: str) -> list[float]:
-    """The analysis arms' s_t of a trajectory of a world whose supporting paragraphs are known."""
-    useful = step_usefulness(traj)
-    if credit == "projection":
-        return projection_credit(useful, traj.reward)
-    found = [u and st.valid and st.action == "search" for u, st in zip(useful, traj.steps)]
-    return causal_credit(found, len(traj.example.supporting), traj.reward)
-
 
 def dev_metrics(trajs: Sequence[Trajectory]) -> dict:
     """evaluate's numbers from its trajectories (a data-parallel run computes them on all ranks' trajectories)."""

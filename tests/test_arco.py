@@ -9,7 +9,9 @@ import torch
 
 import arco
 import env
+import plumbing
 import rubric_model as rm
+import study
 
 
 def scripted_batch():
@@ -367,7 +369,7 @@ def test_the_whole_loop_writes_the_same_numbers_on_both_engines(tiny_run, tiny_d
 @pytest.mark.parametrize("credit", ["projection", "causal"])
 def test_the_ground_truth_arms_score_steps_by_their_ground_truth(tiny_run, tiny_dir, credit):
     """--credit projection | causal (the analysis arms of issues 33 and 41): no μ is loaded or trained, and the
-    dense epoch's s_t are env.ground_truth_scores of each step (the labels written in the traces), Σ_t s_t = R(τ);
+    dense epoch's s_t are study.ground_truth_scores of each step (the labels written in the traces), Σ_t s_t = R(τ);
     for the causal oracle G_t = R − Φ(h_t), Φ the share of the chain's paragraphs found before step t."""
     warm = tiny_run / "synthetic" / "warmup"
     arco.main(tiny_args(tiny_dir, tiny_run, credit=credit, warmup_dir=warm))
@@ -379,7 +381,7 @@ def test_the_ground_truth_arms_score_steps_by_their_ground_truth(tiny_run, tiny_
         s = [st["s"] for st in row["steps"]]
         useful = [st["useful"] for st in row["steps"]]
         if credit == "projection":
-            assert s == pytest.approx(env.projection_credit(useful, row["reward"]), abs=1e-4)
+            assert s == pytest.approx(study.projection_credit(useful, row["reward"]), abs=1e-4)
         else:
             found = [u and st["valid"] and st["action"] == "search" for u, st in zip(useful, row["steps"])]
             phi = [sum(found[:t]) / 2 for t in range(len(found))]           # the synthetic worlds: 2 hops
@@ -418,7 +420,7 @@ def test_the_loop_benchmark_times_one_dense_iteration_on_a_saved_batch(tiny_run,
     assert set(result["phases"]) == {"π rollout", "μ rubrics + scores", "π update", "μ update"}
     assert all(p["seconds"] > 0 and p["raw_seconds"] > 0 and p["tokens"] > 0 for p in result["phases"].values())
     assert result["trajectories_per_minute"] == pytest.approx(60 * 4 / result["seconds"])
-    examples = arco.training_questions(arco.resolve_args(arco.parse_args(arco.Args, argv[1:])), tiny_run)
+    examples = plumbing.training_questions(arco.resolve_args(arco.parse_args(arco.Args, argv[1:])), tiny_run)
     trajs = benchmark.load_batch(bench / "batch.jsonl", examples)
     benchmark.save_batch(tiny_run / "again.jsonl", trajs)
     assert (tiny_run / "again.jsonl").read_bytes() == saved                  # the batch reads back exactly
@@ -484,7 +486,7 @@ def test_epoch_0_is_the_warmups_sft_only_evaluation_and_equals_a_fresh_one(tiny_
     assert {k: ev0[k] for k in sft_only} == sft_only
     args = arco.resolve_args(parse_args(arco.Args, tiny_args(tiny_dir, tiny_run)))
     torch.manual_seed(args.seed)
-    pi, _ = arco.build_models(args, warm)
+    pi, _ = plumbing.build_models(args, warm, with_mu=False)
     dev = env.load_split("synthetic", "dev", None, args.eval_size, args.seed)
     ev, trajs = arco.evaluate_policy(pi, dev, args, env.Retriever())
     assert ev == sft_only

@@ -15,7 +15,7 @@ import pytest
 import arco
 import diagnostics
 import env
-import evaluate
+import config
 import rubric_model as rm
 import warmup
 
@@ -51,7 +51,7 @@ def cases():
 
 def run_guarded(module, argv, capsys) -> tuple[int, list[str]]:
     with pytest.raises(SystemExit) as exit_:
-        evaluate.main_guard(lambda: module.main(argv), env.DataError, rm.ModelLoadError)
+        config.main_guard(lambda: module.main(argv), env.DataError, rm.ModelLoadError)
     return exit_.value.code, capsys.readouterr().err.strip().splitlines()
 
 
@@ -60,12 +60,12 @@ def test_a_ctrl_c_nothing_caught_is_one_line_not_a_traceback(capsys, monkeypatch
         raise KeyboardInterrupt
     monkeypatch.delenv("ARCO_TRACEBACK", raising=False)
     with pytest.raises(SystemExit) as exit_:
-        evaluate.main_guard(interrupted)
+        config.main_guard(interrupted)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 130 and len(err) == 1 and err[0].startswith("interrupted")
     monkeypatch.setenv("ARCO_TRACEBACK", "1")
     with pytest.raises(KeyboardInterrupt):
-        evaluate.main_guard(interrupted)
+        config.main_guard(interrupted)
 
 
 @pytest.fixture

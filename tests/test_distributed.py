@@ -131,9 +131,10 @@ def test_torchrun_refuses_the_batch_wide_random_stream(monkeypatch):
     """--sampling batch draws once over the generation batch, so a rank's rollouts would depend on the split:
     a torchrun run (WORLD_SIZE > 1) stops before joining the process group, saying what to pass."""
     import arco
+    import plumbing
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    dp = arco.DataParallel()
+    dp = plumbing.DataParallel()
     assert (dp.world, dp.rank, dp.main) == (2, 1, False)
     with pytest.raises(SystemExit, match="--sampling trajectory"):
         dp.start(arco.resolve_args(arco.parse_args(arco.Args, ["--dataset", "synthetic"])))

@@ -9,6 +9,7 @@ import torch
 
 import arco
 import env
+import study
 
 V = json.loads((Path(__file__).parent / "vectors.json").read_text())
 
@@ -104,7 +105,7 @@ def test_decomposition_loss_of_a_pass_counts_only_its_trajectories():
 
 @pytest.mark.parametrize("case", V["projection_credit"])
 def test_projection_credit(case):
-    s = env.projection_credit(case["useful"], case["R"])
+    s = study.projection_credit(case["useful"], case["R"])
     assert s == pytest.approx(case["s"]) and sum(s) == pytest.approx(case["R"])           # Σ_t s_t = R(τ)
     useful = [x for x, u in zip(s, case["useful"]) if u]
     assert all(u > x for u in useful for x, k in zip(s, case["useful"]) if not k)         # order kept
@@ -114,13 +115,13 @@ def test_projection_credit(case):
 def test_causal_credit(case):
     """The causal oracle (issue 41): Σ_t s_t = R, Eq. 3's G_t = R − Φ(h_t), and no step's score reads a later
     step: the same prefix gives the same scores before the last step whatever follows."""
-    s = env.causal_credit(case["found"], case["n_hops"], case["R"])
+    s = study.causal_credit(case["found"], case["n_hops"], case["R"])
     assert s == pytest.approx(case["s"]) and sum(s) == pytest.approx(case["R"])
     assert arco.reward_to_go(s) == pytest.approx(case["G"])
     for t in range(len(s) - 1):
         for tail in ([True], [False, False], [True, True, False]):
             for R in (0.0, 1.0):
-                other = env.causal_credit(case["found"][:t + 1] + tail, case["n_hops"], R)
+                other = study.causal_credit(case["found"][:t + 1] + tail, case["n_hops"], R)
                 assert other[:t + 1] == pytest.approx(s[:t + 1])
 
 
@@ -174,17 +175,19 @@ def test_dense_advantages_by_hand():
 
 
 def test_mixed_advantages_by_hand():
-    """--mixed (issue 41's analysis arm, not ARCO): the outcome advantage R(τ) − its group's mean added to every
-    valid step's dense advantage α (G_t − Ḡ_b); invalid steps stay 0."""
+    """The study's mixed arm (study.mixed_advantages, not ARCO): the outcome advantage R(τ) − its group's mean added
+    to every valid step's dense advantage α (G_t − Ḡ_b); invalid steps stay 0; sparse epochs as Algorithm 1."""
     trajs = [trajectory("q1", 1.0, [("search", True), ("search", True), ("finish", True)]),
              trajectory("q1", 0.0, [("invalid", False), ("search", True), ("finish", True)])]
     s = torch.tensor([0.4, 0.4, 0.2, 4.6, 0.1, 0.3])
     # dense part as in test_dense_advantages_by_hand: [0.3, 0.0, -0.05], [0, -0.3, 0.05]; outcome: q1's mean
     # 0.5, so +0.5 and -0.5
-    A, _ = arco.advantages(trajs, s, True, phase_args(alpha=1.0, mixed=True, dense_samples=2))
+    A, _ = study.mixed_advantages(trajs, s, True, phase_args(alpha=1.0, dense_samples=2))
     approx_rows(A, [[0.8, 0.5, 0.45], [0.0, -0.8, -0.45]])
-    A, _ = arco.advantages(trajs, s, True, phase_args(alpha=1.0, mixed=True, sparse_baseline="batch", dense_samples=2))
+    A, _ = study.mixed_advantages(trajs, s, True, phase_args(alpha=1.0, sparse_baseline="batch", dense_samples=2))
     approx_rows(A, [[0.8, 0.5, 0.45], [0.0, -0.8, -0.45]])       # one question: the batch mean is its mean
+    assert study.mixed_advantages(trajs, s, False, phase_args(alpha=1.0, dense_samples=2))[0] == \
+        arco.advantages(trajs, s, False, phase_args(alpha=1.0, dense_samples=2))[0]
 
 
 def test_credit_stats_by_hand():
@@ -195,7 +198,7 @@ def test_credit_stats_by_hand():
              trajectory("q3", 0.0, [("search", True), ("finish", True)])]
     s = torch.tensor([0.4, 0.4, 0.2, 4.6, 0.1, 0.3, 0.5, -0.5])
     A, info = arco.advantages(trajs, s, True, phase_args(alpha=1.0))
-    stats = arco.credit_stats(trajs, s, A, info)
+    stats = study.credit_stats(trajs, s, A, info)
     assert stats["mean_s_by_step"] == pytest.approx({"search@1": 0.45, "search@2": 0.25, "finish@3": 0.25,
                                                      "finish@2": -0.5})
     # Σ s − R: 0.0, 5.0, 0.0 against 2, 1, 1 searches: r = −0.5 (by hand: deviations (−5/3, 10/3, −5/3) and
@@ -203,7 +206,15 @@ def test_credit_stats_by_hand():
     assert stats["corr_excess_searches"] == pytest.approx(-0.5, abs=1e-6)
     # search_2 holds one step (q1's second search): Eq. 4 gives it advantage 0
     assert stats["singleton_buckets"] == [{"bucket": "search_2", "action": "search", "A": 0.0}]
-    assert arco.credit_stats(trajs, None, A, {}) == {}
+    assert study.credit_stats(trajs, None, A, {}) == {}
+    # Buckets of two are not singletons: here search_1, search_2 and the terminal bucket hold two steps each,
+    # search_3 one (the first trajectory's third search)
+    pair = [trajectory("a", 1.0, [("search", True)] * 3 + [("finish", True)]),
+            trajectory("b", 0.0, [("search", True)] * 2 + [("finish", True)])]
+    s2 = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0, 0.0, 0.0])
+    A2, info2 = arco.advantages(pair, s2, True, phase_args(alpha=1.0))
+    assert study.credit_stats(pair, s2, A2, info2)["singleton_buckets"] == \
+        [{"bucket": "search_3", "action": "search", "A": 0.0}]
     # The oracles' Σ_t s_t = R up to rounding: no correlation of rounding error with length
     s = torch.tensor([0.1, 0.2, 0.7, 0.3, 0.3, -0.6, 0.3, -0.3]) + 1e-7 * torch.arange(8.0)   # sums 1, 0, 0
-    assert arco.credit_stats(trajs, s, A, info)["corr_excess_searches"] is None
+    assert study.credit_stats(trajs, s, A, info)["corr_excess_searches"] is None

@@ -25,24 +25,24 @@ KILL_POINTS = [
     ("warmup.policy_sft_backward", 1),      # π SFT, its first batch
     ("warmup.rubric_sft_backward", 2),      # μ SFT, second batch
     ("warmup.fit_score_head", 1),           # μ's score-head fit
-    ("arco.log_evaluation", 1),             # epoch 0 (SFT only) evaluation, before it is logged
+    ("plumbing.log_evaluation", 1),         # epoch 0 (SFT only) evaluation, before it is logged
     ("arco.policy_update", 1),              # sparse epoch, first batch: π's update
     ("arco.rubric_update", 2),              # sparse epoch, second batch: μ's update
-    ("arco.evaluate_policy", 1),            # the epoch-1 evaluation
-    ("arco.write_manifest", 1),             # the middle of writing epoch 1's checkpoint
+    ("arco.evaluate_policy", 1),            # the epoch-2 evaluation (the cpu preset evaluates no sparse epoch)
+    ("plumbing.write_manifest", 1),         # the middle of writing epoch 1's checkpoint
     ("arco.annotate", 3),                   # dense epoch: μ's rubrics
     ("arco.policy_update", 3),              # dense epoch: π's update
     ("arco.write_selection", 1),            # after the last checkpoint, before the selection and report
 ]
-FAST = {("arco.policy_update", 1), ("arco.write_manifest", 1)}   # the two every CI run takes
+FAST = {("arco.policy_update", 1), ("plumbing.write_manifest", 1)}   # the two every CI run takes
 
 DRIVER = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-import arco, warmup
+import arco, plumbing, warmup
 target, n = sys.argv[1], int(sys.argv[2])
 module, name = target.split(".")
-module = {{"arco": arco, "warmup": warmup}}[module]
+module = {{"arco": arco, "plumbing": plumbing, "warmup": warmup}}[module]
 real, calls = getattr(module, name), [0]
 def killing(*a, **kw):
     calls[0] += 1

@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import config  # noqa: E402
 import evaluate  # noqa: E402
 from evaluate import (PredictionError, exact_match, f1_score, format_table,  # noqa: E402
                       normalize_answer, read_predictions, score_predictions)
@@ -262,7 +263,7 @@ def test_cli_real_env_unknown_id(tmp_path):
 
 def test_a_phase_hands_what_it_freed_back_to_the_os(monkeypatch):
     """RESULTS' memory profile: glibc keeps freed tensors' blocks in its heap unless trimmed, so every phase
-    ends with evaluate.release_memory. 3,000 tensors of 64 KiB (below any mmap threshold: heap blocks), all
+    ends with config.release_memory. 3,000 tensors of 64 KiB (below any mmap threshold: heap blocks), all
     freed but the last, which pins the heap's top: after the phase the resident memory is back where it
     started; with the release switched off it stays ~190 MiB higher (the same code checks itself)."""
     if not os.path.exists("/proc/self/statm"):
@@ -270,7 +271,7 @@ def test_a_phase_hands_what_it_freed_back_to_the_os(monkeypatch):
     import torch
 
     def grow_and_free(memory):
-        evaluate.release_memory()          # what earlier tests freed would otherwise absorb the growth
+        config.release_memory()          # what earlier tests freed would otherwise absorb the growth
         before = memory.rss_gib()
         with memory.phase("allocate"):
             xs = [torch.ones(16 * 1024) for _ in range(3000)]
@@ -278,33 +279,33 @@ def test_a_phase_hands_what_it_freed_back_to_the_os(monkeypatch):
             del xs
         return before, memory.rss_gib(), memory.stats["allocate"], kept
 
-    before, after, stats, _ = grow_and_free(evaluate.PhaseMemory())
+    before, after, stats, _ = grow_and_free(config.PhaseMemory())
     assert stats["peak_gib"] - before > 0.15 and stats["runs"] == 1 and stats["seconds"] > 0
     assert after - before < 0.05, (before, after)
-    monkeypatch.setattr(evaluate, "release_memory", lambda: None)
-    before, after, _, _ = grow_and_free(evaluate.PhaseMemory())
+    monkeypatch.setattr(config, "release_memory", lambda: None)
+    before, after, _, _ = grow_and_free(config.PhaseMemory())
     assert after - before > 0.15, "without the release the heap keeps the freed blocks (the test's premise)"
 
 
 ONEDNN_PROBE = """
 import sys
 sys.path.insert(0, {root!r})
-import torch, evaluate
+import torch, config
 if {capped}:
-    evaluate.steady_heap()
+    config.steady_heap()
 torch.set_num_threads(1)
 w, x = torch.randn(1536, 576), torch.randn(400, 576)
-before = evaluate.MEMORY.rss_gib()
+before = config.MEMORY.rss_gib()
 with torch.autocast("cpu", dtype=torch.bfloat16):
     for rows in range(20, 420):                    # 400 token counts: 400 matrix shapes
         torch.nn.functional.linear(x[:rows], w)
-evaluate.release_memory()
-print(evaluate.MEMORY.rss_gib() - before)
+config.release_memory()
+print(config.MEMORY.rss_gib() - before)
 """
 
 
 def test_the_bf16_kernels_oneDNN_keeps_are_capped(monkeypatch):
-    """evaluate.steady_heap caps oneDNN's cache of compiled bf16 matmul kernels (one per matrix shape, about
+    """config.steady_heap caps oneDNN's cache of compiled bf16 matmul kernels (one per matrix shape, about
     0.8 MiB each, 1024 kept by default; every new token count makes new ones): the autocast path held
     0.8 GiB of them (issue 43). A fresh process runs 400 shapes with and without the cap, and the user's
     own ONEDNN_PRIMITIVE_CACHE_CAPACITY is left alone."""
@@ -319,5 +320,5 @@ def test_the_bf16_kernels_oneDNN_keeps_are_capped(monkeypatch):
         pytest.skip(f"this CPU's bf16 matmuls keep no kernels per shape ({uncapped:.3f} GiB without the cap)")
     assert growth(True) < uncapped - 0.1, uncapped
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7")
-    evaluate.steady_heap()
+    config.steady_heap()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"

@@ -10,6 +10,7 @@ import torch
 
 import arco
 import fast
+import plumbing
 import rubric_model as rm
 
 SHRUNK = dict(train_size=4, eval_size=3, epochs=2, sparse_epochs=1, batch_size=4, warmup_size=4, warmup_samples=2,
@@ -79,12 +80,12 @@ def test_parameter_count_from_the_shape_is_the_models(fixture, request):
     count is the loaded model's."""
     folder = request.getfixturevalue(fixture)
     bb = rm.load_backbone(str(folder), device="cpu")
-    assert arco._parameters(rm.model_shape(str(folder))) == sum(p.numel() for p in bb.model.parameters())
+    assert plumbing._parameters(rm.model_shape(str(folder))) == sum(p.numel() for p in bb.model.parameters())
 
 
 def test_a_random_model_of_a_public_shape_has_its_size_and_the_same_weights_each_time():
     a = rm.load_backbone("random:SmolLM2-135M", device="cpu")
-    assert sum(p.numel() for p in a.model.parameters()) == arco._parameters(rm.SHAPES["SmolLM2-135M"]) == 134_515_008
+    assert sum(p.numel() for p in a.model.parameters()) == plumbing._parameters(rm.SHAPES["SmolLM2-135M"]) == 134_515_008
     b = rm.load_backbone("random:SmolLM2-135M", device="cpu")
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
     with pytest.raises(rm.ModelLoadError, match="random:"):
@@ -113,7 +114,7 @@ def test_activation_bytes_per_token_match_what_autograd_saves(tiny_qwen3_dir, ti
                 return t
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 fast.packed_steps(bb, seqs, lens, None, ref)
-            per = arco._token_bytes(bb.model.config.to_dict(), 4 if dtype == "float32" else 2)
+            per = plumbing._token_bytes(bb.model.config.to_dict(), 4 if dtype == "float32" else 2)
             estimate = 384 * per["activations"] + 384 ** 2 * per["mask"] + sum(lens) * per["logits"]
             assert estimate == pytest.approx(sum(seen.values()) + sum(r.numel() * 4 for r in ref), rel=0.25), \
                 (folder.name, dtype, estimate, sum(seen.values()))
@@ -128,7 +129,7 @@ def test_the_estimate_holds_a_decoding_batch_twice_its_first_keys_in_the_weights
     for path in ("on", "off"):
         args = arco.resolve_args(arco.Args(dataset="hotpotqa", model="random:SmolLM2-135M", engine="plain",
                                            device="cpu", dtype="float32", autocast=path))
-        rows[path] = arco.memory_estimate(args)["rollout KV cache"]
+        rows[path] = plumbing.memory_estimate(args)["rollout KV cache"]
     # μ's batch is the longer (its reply): 32 prompts × (350 + 3 searches × (300/4 + 30) + π's 32 + μ's 96)
     assert (args.gen_batch, args.obs_chars, args.max_new_tokens_pi, args.max_new_tokens_mu) == (32, 300, 32, 96)
     assert rows["off"] == pytest.approx(32 * 793 * (46_080 + 46_080) / 2 ** 30)

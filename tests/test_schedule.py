@@ -1,11 +1,14 @@
 """The schedule of Algorithm 1 (lines 3–5) as the presets make it: which epochs are sparse, the
 batch composition of each phase, the updates per epoch, the checkpoint selection, --dry-run."""
+import json
+
 import pytest
 
 import arco
 import env
+import plumbing
 import warmup
-from evaluate import parse_args
+from config import parse_args
 
 
 def args_of(*argv):
@@ -124,39 +127,44 @@ def test_rl_questions_start_at_the_warmups_unless_asked_before(tmp_path):
     order = env.synthetic_examples(8, split="train")
     (tmp_path / "records.jsonl").write_text("".join(
         f'{{"id": "{ex.id}", "sample": {s}}}\n' for ex in order[:3] for s in range(2)))
-    assert [q.id for q in arco.training_questions(a, tmp_path)] == [ex.id for ex in order[:5]]
+    assert [q.id for q in plumbing.training_questions(a, tmp_path)] == [ex.id for ex in order[:5]]
     small = args_of("--dataset", "synthetic", "--train-size", "2", "--warmup-size", "3")   # D inside the warmup
-    assert [q.id for q in arco.training_questions(small, tmp_path)] == [ex.id for ex in order[:2]]
+    assert [q.id for q in plumbing.training_questions(small, tmp_path)] == [ex.id for ex in order[:2]]
     a.warmup_questions = "before"
-    assert [q.id for q in arco.training_questions(a, tmp_path)] == [ex.id for ex in order[3:8]]
+    assert [q.id for q in plumbing.training_questions(a, tmp_path)] == [ex.id for ex in order[3:8]]
                                            # a warmup of another sample: only its own questions are left out
     (tmp_path / "records.jsonl").write_text(f'{{"id": "{order[1].id}", "sample": 0}}\n')
-    assert [q.id for q in arco.training_questions(a, tmp_path)] == [order[i].id for i in (0, 2, 3, 4, 5)]
+    assert [q.id for q in plumbing.training_questions(a, tmp_path)] == [order[i].id for i in (0, 2, 3, 4, 5)]
     (tmp_path / "records.jsonl").write_text("".join(f'{{"id": "{ex.id}", "sample": 0}}\n' for ex in order[:7]))
     a.train_size = 1                      # a warmup larger than --warmup-size says (e.g. one made earlier)
-    assert [q.id for q in arco.training_questions(a, tmp_path)] == [order[7].id]
+    assert [q.id for q in plumbing.training_questions(a, tmp_path)] == [order[7].id]
 
 
 def test_a_warmup_mu_is_reused_only_with_its_own_sft_settings(tmp_path):
-    """A warmup μ fine-tuned with --sft-questions-mu 8 is not silently reused by a run asking for 60,
-    nor one whose score head was not fitted alone (--sft-head-steps; a warmup without the key had 0)."""
+    """A warmup μ fine-tuned with the preset's --sft-questions-mu is not silently reused by a run asking for 60,
+    nor one whose score head was not fitted alone (--sft-head-steps; a warmup without the key had 0), nor one
+    that wrote its criteria in another --rubric-format (a warmup without the key wrote JSON)."""
     for name in ("pi_sft", "mu_sft"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text("{}")
-    (tmp_path / "metrics.json").write_text('{"mu": {"mu_sft": {"sft_questions_mu": 8, "sft_head_steps": 500}}}')
     a = args_of("--dataset", "synthetic", "--warmup-dir", str(tmp_path))
-    assert a.sft_questions_mu == 8 and a.sft_head_steps == 500 and arco.ensure_warmup(a) == tmp_path
+    made = {"sft_questions_mu": a.sft_questions_mu, "sft_head_steps": 500, "rubric_format": a.rubric_format}
+    (tmp_path / "metrics.json").write_text(json.dumps({"mu": {"mu_sft": made}}))
+    assert a.sft_head_steps == 500 and plumbing.ensure_warmup(a, with_mu=True) == tmp_path
     a.sft_questions_mu = 60
-    with pytest.raises(env.DataError, match="--sft-questions-mu 8"):
-        arco.ensure_warmup(a)
-    a.sft_questions_mu = 8
-    (tmp_path / "metrics.json").write_text('{"mu": {"mu_sft": {"sft_questions_mu": 8}}}')
+    with pytest.raises(env.DataError, match=f"--sft-questions-mu {made['sft_questions_mu']}"):
+        plumbing.ensure_warmup(a, with_mu=True)
+    a.sft_questions_mu = made["sft_questions_mu"]
+    (tmp_path / "metrics.json").write_text(json.dumps({"mu": {"mu_sft": {k: v for k, v in made.items()
+                                                                          if k != "sft_head_steps"}}}))
     with pytest.raises(env.DataError, match="--sft-head-steps 0"):
-        arco.ensure_warmup(a)
+        plumbing.ensure_warmup(a, with_mu=True)
     a.sft_head_steps = 0
-    assert arco.ensure_warmup(a) == tmp_path
+    assert plumbing.ensure_warmup(a, with_mu=True) == tmp_path
+    (tmp_path / "metrics.json").write_text(json.dumps({"mu": {"mu_sft": {"sft_questions_mu": a.sft_questions_mu}}}))
+    with pytest.raises(env.DataError, match="--rubric-format json"):            # made before the setting: JSON
+        plumbing.ensure_warmup(a, with_mu=True)
     fresh = tmp_path / "fresh"                                          # a folder with no μ yet: nothing to refuse
     fresh.mkdir()
     warmup.check_mu_settings(fresh, "mu_sft", a)
-    a.reward = "outcome"                  # outcome RL needs no μ
-    assert arco.ensure_warmup(a) == tmp_path
+    assert plumbing.ensure_warmup(a, with_mu=False) == tmp_path        # outcome RL needs no μ

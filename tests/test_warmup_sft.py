@@ -10,6 +10,8 @@ import torch
 
 import env
 import rubric_model as rm
+import study
+import teachers
 import warmup
 
 
@@ -243,12 +245,12 @@ def test_mu_on_pi_own_rollouts_end_to_end_on_tiny_model(tiny_dir, tmp_path, retr
     assert (out / "mu_sft-policy-q2" / "config.json").is_file() and not (out / "mu_sft").exists()
     monkeypatch.setattr(warmup, "POLICY_PROBE_QUESTIONS", 4)
     mu = rm.RubricModel.load(out / "mu_sft-policy-q2", device="cpu")
-    trajs = warmup.policy_dev_rollouts(args, out, retriever)
-    first = warmup.policy_dev_auc(mu, trajs, 4)
+    trajs = study.policy_dev_rollouts(args, out, retriever)
+    first = study.policy_dev_auc(mu, trajs, 4)
     assert first["questions"] == 4 and first["steps"] >= 4 and set(first) >= {"search", "finish", "all"}
-    again = warmup.policy_dev_rollouts(args, out, retriever)                          # seeded: the same steps
+    again = study.policy_dev_rollouts(args, out, retriever)                          # seeded: the same steps
     assert [[st.output for st in t.steps] for t in again] == [[st.output for st in t.steps] for t in trajs]
-    assert warmup.policy_dev_auc(mu, again, 4) == first
+    assert study.policy_dev_auc(mu, again, 4) == first
 
 
 def test_warmup_evaluates_on_its_own_dev_size_and_keeps_the_base_evaluation(tiny_dir, tmp_path, monkeypatch):
@@ -299,21 +301,21 @@ def test_check_criteria_carry_no_verdict():
     assert not env.step_usefulness({"steps": [vars(s) for s in prefix + [useless]], "gold": ex.answers},
                                    ex.supporting)[1]
     for K in (3, 5):
-        a, b = warmup.check_criteria(prefix, useful, K), warmup.check_criteria(prefix, useless, K)
+        a, b = study.check_criteria(prefix, useful, K), study.check_criteria(prefix, useless, K)
         assert len(a) == K and a != b
         assert [c.replace(useful.argument, "Q") for c in a] == [c.replace(useless.argument, "Q") for c in b]
-        right, wrong = warmup.check_criteria(prefix, _finish(ex.answer, 4), K), \
-            warmup.check_criteria(prefix, _finish("1899", 4), K)
+        right, wrong = study.check_criteria(prefix, _finish(ex.answer, 4), K), \
+            study.check_criteria(prefix, _finish("1899", 4), K)
         assert [c.replace(ex.answer, "A") for c in right] == [c.replace("1899", "A") for c in wrong]
         for c in a + b + right + wrong:
             assert "hop" not in c.lower() and "support" not in c.lower()
             assert not re.search(r"\d+ of \d+", c)
     # the verdict criteria of the same two searches name the hop only on the useful one
-    plan = warmup.choose_queries([ex], env.Retriever())[0]
+    plan = teachers.choose_queries([ex], env.Retriever())[0]
     t_useful = env.Trajectory(example=ex, max_searches=5, steps=prefix + [useful])
     t_useless = env.Trajectory(example=ex, max_searches=5, steps=prefix + [useless])
-    va = warmup.oracle_rubric(t_useful, warmup.inferred_intents(t_useful, plan), len(plan), 3)[0][1]
-    vb = warmup.oracle_rubric(t_useless, warmup.inferred_intents(t_useless, plan), len(plan), 3)[0][1]
+    va = teachers.oracle_rubric(t_useful, teachers.inferred_intents(t_useful, plan), len(plan), 3)[0][1]
+    vb = teachers.oracle_rubric(t_useless, teachers.inferred_intents(t_useless, plan), len(plan), 3)[0][1]
     assert any("hop 2 of" in c for c in va) and not any("hop" in c for c in vb)
 
 
@@ -329,11 +331,11 @@ def test_check_criteria_items_keep_the_teacher_scores(tmp_path, retriever):
     assert any("hop" in " ".join(v["criteria"]) for v in verdict) and not any("hop" in " ".join(c["criteria"])
                                                                               for c in check)
     fin = [it for it in check if it["action"].startswith("Finish[")]
-    right = sum(map(warmup.right_finish, fin))
+    right = sum(map(study.right_finish, fin))
     assert 0 < right < len(fin)
-    balanced = warmup.balanced_finishes(check)
+    balanced = study.balanced_finishes(check)
     bfin = [it for it in balanced if it["action"].startswith("Finish[")]
-    assert sum(map(warmup.right_finish, bfin)) == len(bfin) - sum(map(warmup.right_finish, bfin)) == max(
+    assert sum(map(study.right_finish, bfin)) == len(bfin) - sum(map(study.right_finish, bfin)) == max(
         right, len(fin) - right)
     assert balanced[:len(check)] == check
 

