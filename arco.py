@@ -22,18 +22,9 @@ One iteration (Alg. 1, lines 5–38) over a batch B:
     π update: Eq. 3 with KL(π‖π_ref)         lines 33–35   policy_update → policy_loss
     μ update: Eq. 5                          lines 36–38   rubric_update → rubric_loss
 
-The equations are small named functions, tested against hand-worked numbers that also live in
-`tests/vectors.json` (so a port to another framework can check itself):
-
-    reward_to_go          Eq. 3      G_{τ,t} = Σ_{k≥t} s_{τ,k}
-    step_buckets          Eq. 3–4    b(τ,t) ∈ {search_1, …, search_n, terminal}
-    bucketed_advantages   Eq. 4      A_{τ,t} = α (G_{τ,t} − Ḡ_{B,b(τ,t)})
-    outcome_advantages    Alg. 1, l. 31   A_τ = R(τ) − mean R over the batch or the question's group
-    reduce_tokens         Eq. 3, 5   a step's per-token KL: sum (paper) or mean (release) (rubric_model)
-    policy_loss           Eq. 3      −(1/|B|) Σ_τ Σ_{t∈V_τ} A_{τ,t} log p_π(a_t|h_t) + λ_π L_KL
-    class_weights         (release)  w_τ of the decomposition term
-    decomposition_loss    Eq. 5      (1/|B|) Σ_τ w_τ (Σ_t s_t − R(τ))²
-    rubric_loss           Eq. 5      decomposition_loss + β Σ_t KL_t / (steps or |B|)
+The equations are small named functions (reward_to_go, step_buckets, bucketed_advantages, outcome_advantages,
+policy_loss, class_weights, decomposition_loss, rubric_loss), tested against hand-worked numbers that also live
+in `tests/vectors.json`, so a port to another framework can check itself.
 
 Read top to bottom: the knobs (Args, each with its presets' values; those shared with warmup.py in config.py), the
 schedule, the equations, one iteration, the run (Algorithm 1's outer loop), main. What runs a run — its folder,
@@ -293,16 +284,11 @@ def rubric_loss(s: torch.Tensor, trajectory: torch.Tensor, R: torch.Tensor,
 
 @dataclass
 class Credit:
-    """The one seam through which an analysis beyond the paper changes Algorithm 1 (study.py's arms and curves),
-    instead of flags here. A part left None is ARCO's own.
-
-    scores(trajs) -> s        the batch's step scores s_t (a flat tensor, trajectory order) in place of μ's; the
-                              run then has no μ to annotate or update (the study's ground-truth oracles)
-    advantages(trajs, s, dense, args) -> (A, info)
-                              the per-step advantages in place of Alg. 1's lines 26–32 (the study's mixed arm)
-    after_update(row, **ctx)  after each iteration, before its row is logged: it may add to the row and read
-                              ctx (trajs, s, A, info, pi, epoch, batch, batches, dev, retriever, run_dir, args)
-    """
+    """The one seam through which an analysis beyond the paper changes Algorithm 1 (study.py), instead of flags here;
+    a part left None is ARCO's own. scores(trajs): the batch's step scores (flat, trajectory order) in place of μ's,
+    and then no μ at all (the study's oracles); advantages(trajs, s, dense, args) -> (A, info) in place of lines
+    26–32 (its mixed arm); after_update(row, **ctx): before an iteration's row is logged, to add to it or read ctx
+    (trajs, s, A, info, pi, epoch, batch, batches, dev, retriever, run_dir, args: its statistics and curves)."""
     scores: Callable | None = None
     advantages: Callable | None = None
     after_update: Callable | None = None

@@ -11,6 +11,8 @@ not import fast.py itself: importing arco.py (through warmup.py) registers the f
     python benchmark.py loop [arco.py flags]                        one dense iteration of Algorithm 1 at the flags'
                                                                     preset, phase by phase, each beside its raw rate;
                                                                     the memory estimate beside the measured peak
+    python benchmark.py sample [--model M]                          an untrained μ writes and scores a rubric for a
+                                                                    sample step (plain engine)
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ import env
 import plumbing
 import teachers
 from config import ModelSettings, fill_from_preset, main_guard, parse_args
-from rubric_model import (EXAMPLES, SAMPLE_STEP, ModelLoadError, Rubric, RubricModel,
-                          StepContext, add_lora, chat_prompt_ids, contexts_from_trajectory, encode_response, generate,
+from rubric_model import (EXAMPLES, ModelLoadError, Rubric, RubricModel,
+                          StepContext, add_lora, step_text, chat_prompt_ids, contexts_from_trajectory, encode_response, generate,
                           last_hidden_states, load_backbone, mean_pool, pad_right, policy_act, sequence_logprobs,
                           trainable_parameters)
 
@@ -396,8 +398,32 @@ def loop_benchmark(args: arco.Args) -> dict:
 
 
 # Each program: the dataclass its flags are read into, and what runs.
+SAMPLE_STEP = StepContext(
+    question="Which city is the headquarters of the company that employs the violinist Tarin Voss?",
+    prefix="Step 1: Search[Tarin Voss]\nObservation: Tarin Voss: Tarin Voss is a violinist who works for the "
+           "Kelmor Press.",
+    action="Search[Kelmor Press headquarters]", searches_left=2)
+
+
+def sample_rubric(args: ModelArgs) -> None:
+    """`python benchmark.py sample`: an untrained μ (the --model backbone, a fresh score head, two worked examples in
+    its prompt) writes and scores a rubric for SAMPLE_STEP (plain engine)."""
+    start = time.perf_counter()
+    bb = load_backbone(args.model, args.device, args.dtype, args.autocast, engine="plain")
+    print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s on {bb.device}", flush=True)
+    mu = RubricModel(bb, k=args.k, rubric_mode=args.rubric, examples=2, rubric_format=args.rubric_format)
+    rubric = mu.generate_rubrics([SAMPLE_STEP], args.rubric_temperature, args.max_new_tokens_mu)[0]
+    with torch.no_grad():
+        scores = mu.score([SAMPLE_STEP], [rubric])
+    print(step_text(SAMPLE_STEP))
+    print(f"\nrubric ({'parsed' if rubric.parsed else 'NOT parsed'}): {rubric.text}")
+    for c, d in zip(rubric.criteria, scores.d[0].tolist()):
+        print(f"  d = {d:+.3f}  {c}")
+    print(f"s_t = {scores.s[0].item():+.3f} (untrained score head: near 0)")
+
+
 PROGRAMS = {"passes": (PassesArgs, passes_benchmark), "parse-rate": (ParseRateArgs, parse_rate_benchmark),
-            "loop": (arco.Args, loop_benchmark)}
+            "loop": (arco.Args, loop_benchmark), "sample": (ModelArgs, sample_rubric)}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,19 +1,12 @@
 """Every setting of the project, declared once, with the `paper` and `cpu` values of the two presets beside it;
 the command-line helper every script uses; and the process plumbing every script shares (errors, memory).
 
-The bottom floor: it imports nothing of the project. Each script's command line is a dataclass of settings
-(`parse_args` builds the parser from its fields): the shared ones are declared here in three layers, each
-script adds its own knobs in its own file, and no name is declared twice (tests/test_layout.py checks it):
-
-    DataSettings     where the questions come from, the device      env.py, diagnostics.py, and below
-    ModelSettings    π's and μ's backbones, μ's form, the engines   rubric_model.py, benchmark.py
-    Settings         the warmup and RL settings arco.py and         warmup.py, arco.py, study.py
-                     warmup.py share
-    Split            a split to read (warmup, env, diagnostics)
-
-A setting declared with `from_preset(paper=..., cpu=...)` takes its --preset's value unless the command line
-gives one: `paper` is the authors' release recipe for HotpotQA/Qwen (CHOICES.md's table says where each value
-comes from), `cpu` the same semantics at a laptop's size (README, "the default run").
+The bottom floor: it imports nothing of the project. A script's command line is a dataclass (`parse_args`): the
+shared settings in layers here — DataSettings (data, device) ← ModelSettings (π's and μ's backbones, μ's form,
+the engines) ← Settings (the warmup and RL knobs warmup.py and arco.py share), and Split — each script's own knobs
+in its own file, no name declared twice (tests/test_layout.py). A setting declared with `from_preset(paper=...,
+cpu=...)` takes its --preset's value unless given: `paper` the authors' release recipe (CHOICES.md), `cpu` the
+same semantics at a laptop's size (README).
 """
 from __future__ import annotations
 

@@ -97,10 +97,69 @@ class Args(DataSettings, Split):
         "help": "--diagnose: steps per run sent to --judge-model, a seeded sample (two calls each)"})
     html_trajectories: int = field(default=6, metadata={
         "help": "--diagnose: training trajectories of the last epoch shown in trajectories.html"})
+    # checks of the data and the oracle teacher (no run needed)
+    check_retrieval: bool = field(default=False, metadata={
+        "help": "measure how often a supporting paragraph's title, as a query, retrieves a supporting paragraph"})
+    check_gold: bool = field(default=False, metadata={
+        "help": "measure how often the oracle's gold trajectories retrieve every supporting paragraph"})
+    check_size: int = field(default=0, metadata={
+        "help": "questions measured by --check-retrieval / --check-gold (0 = the whole split; synthetic: 200)"})
 
     def __post_init__(self):
         fill_from_preset(self)
         self.split = self.split or "dev"
+
+
+# --------------------------------------------------------------------------- checks of the data and the oracle teacher
+def retrieval_hit_rate(examples: list, retriever) -> dict:
+    """Query = the title of a supporting paragraph; hit = the top-1 paragraph is a supporting one."""
+    pairs = [(ex, ex.paragraphs[i][0], i) for ex in examples for i in ex.supporting]
+    got = retriever.retrieve([ex for ex, _, _ in pairs], [q for _, q, _ in pairs])
+    hits = sum(g in ex.supporting for (ex, _, _), g in zip(pairs, got))
+    same = sum(g == i for (_, _, i), g in zip(pairs, got))
+    n = max(len(pairs), 1)
+    return {"queries": len(pairs), "supporting_hit": hits / n, "same_paragraph": same / n}
+
+
+def gold_evidence_rate(examples: Sequence, retriever, obs_chars: int = 400) -> dict:
+    """Play the oracle's gold trajectory on every example and measure the evidence it retrieved.
+
+    `all_evidence`: share of questions whose searches retrieved every supporting paragraph;
+    `fits_budget`: questions with no more supporting paragraphs than searches (2Wiki
+    bridge_comparison needs 4 with a budget of 3) and the share of those with all evidence.
+    """
+    teacher = teachers.OracleTeacher(obs_chars=obs_chars)
+    trajs, metas = teacher.rollout([(ex, 0) for ex in examples], retriever)
+    found = [teachers.evidence_found(t) for t in trajs]
+    fits = [m["evidence_fits_budget"] for m in metas]
+    n, nf = len(trajs), sum(fits)
+    by_type = {}
+    for ty in sorted({t.example.type for t in trajs}):
+        idx = [i for i, t in enumerate(trajs) if t.example.type == ty]
+        by_type[ty] = {"n": len(idx), "all_evidence": sum(found[i] for i in idx) / len(idx)}
+    return {"questions": n, "all_evidence": sum(found) / max(n, 1), "reward": sum(t.reward for t in trajs) / max(n, 1),
+            "fits_budget": nf, "all_evidence_when_fits": sum(f for f, ok in zip(found, fits) if ok) / max(nf, 1),
+            "by_type": by_type}
+
+
+def check_data(args) -> None:
+    """--check-retrieval: how often a supporting paragraph's title, as a query, retrieves a supporting paragraph;
+    --check-gold: how often the oracle teacher's gold trajectories retrieve every supporting paragraph."""
+    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
+    for ds in (env.DATASETS if args.dataset == "all" else [args.dataset]):
+        for sp in (("train", "dev") if args.split == "all" else [args.split]):
+            examples = env.load_split(ds, sp, args.data_dir or None, args.check_size or None, args.seed)
+            if args.check_retrieval:
+                r = retrieval_hit_rate(examples, retriever)
+                print(f"{ds}/{sp}: {r['queries']} supporting-title queries, supporting paragraph retrieved "
+                      f"{100 * r['supporting_hit']:.1f}%, the titled paragraph itself {100 * r['same_paragraph']:.1f}%")
+            if args.check_gold:
+                r = gold_evidence_rate(examples, retriever)
+                print(f"{ds}/{sp}: {r['questions']} questions; the gold trajectory retrieved every supporting "
+                      f"paragraph for {100 * r['all_evidence']:.1f}% (R = 1 for {100 * r['reward']:.1f}%); "
+                      f"{r['fits_budget']} need no more searches than the budget ({env.DEFAULT_MAX_SEARCHES[ds]}), "
+                      f"{100 * r['all_evidence_when_fits']:.1f}% of those; by type: "
+                      + ", ".join(f"{t} {100 * v['all_evidence']:.0f}% of {v['n']}" for t, v in r["by_type"].items()))
 
 
 # --------------------------------------------------------------------------- diagnostics: statistics (issue 6)
@@ -1409,6 +1468,11 @@ def run_command(args: "Args") -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(Args, argv, description=__doc__)
+    if args.check_retrieval or args.check_gold:
+        try:
+            return check_data(args)
+        except env.DataError as e:
+            sys.exit(f"error: {e}")
     if not args.run:
         print("error: give --run DIR (one or more; to score a predictions file: env.py --predictions)",
               file=sys.stderr)

@@ -3,19 +3,15 @@
 Paper: §4.1 ("Agent environment") and Algorithm 1, lines 7–14 (the rollout) and 20–23
 (Finish ends a trajectory; R(τ) = EM(submitted answer, gold answer)).
 
-What lives here, top to bottom:
-  1. datasets: HotpotQA (distractor), 2WikiMultiHopQA, MuSiQue-Ans read in their official
-     layouts, and `synthetic`, our own generator of small 2-hop worlds;
-  2. the embedding retriever (top-1 paragraph by cosine over the example's own paragraphs);
-  3. the action parser and the policy prompts;
-  4. the batched rollout driver `rollout(examples, act, retriever)`;
-and, first, the one JSON/JSONL reader and writer every script uses.
+Top to bottom: the one JSON/JSONL reader and writer every script uses; 1. datasets (HotpotQA, 2WikiMultiHopQA,
+MuSiQue-Ans in their official layouts; our synthetic worlds and their step ground truth); 2. the embedding
+retriever (top-1 paragraph of the example's own); 3. the action parser and the policy prompts; 4. the batched
+rollout driver `rollout(examples, act, retriever)` and greedy evaluation.
 
 There is no model code here: a policy is any callable `act(list_of_prompts) -> list_of_texts`,
 which is what lets tests drive the environment with a scripted agent.
 
     python env.py --dataset all                      # load every file, print counts and skips
-    python env.py --dataset hotpotqa --check-retrieval   # supporting-title hit rate of the retriever
     python env.py --dataset hotpotqa --predictions preds.jsonl   # EM / F1 of {"id", "answer"} lines
 """
 from __future__ import annotations
@@ -42,7 +38,6 @@ from evaluate import exact_match, f1_score, report_predictions
 class Args(DataSettings, Split):
     """env.py's command line: the shared data settings (config.DataSettings, --split), then its own knobs."""
     size: int = field(default=0, metadata={"help": "sample this many examples (0 = all; synthetic: 200)"})
-    check_retrieval: bool = field(default=False, metadata={"help": "measure how often a supporting-title query retrieves a supporting paragraph"})
     predictions: str = field(default="", metadata={"path": "file", "help": 'score this JSONL of {"id": ..., "answer": ...} against '
                                                            '--dataset/--split (EM, F1, per question type)'})
 
@@ -590,16 +585,6 @@ def shared_retriever(name: str | None = None, pooling: str = "mean") -> Retrieve
 _RETRIEVERS: dict[tuple[str | None, str], Retriever] = {}
 
 
-def retrieval_hit_rate(examples: list[Example], retriever) -> dict:
-    """Query = the title of a supporting paragraph; hit = the top-1 paragraph is a supporting one."""
-    pairs = [(ex, ex.paragraphs[i][0], i) for ex in examples for i in ex.supporting]
-    got = retriever.retrieve([ex for ex, _, _ in pairs], [q for _, q, _ in pairs])
-    hits = sum(g in ex.supporting for (ex, _, _), g in zip(pairs, got))
-    same = sum(g == i for (_, _, i), g in zip(pairs, got))
-    n = max(len(pairs), 1)
-    return {"queries": len(pairs), "supporting_hit": hits / n, "same_paragraph": same / n}
-
-
 # ----------------------------------------------------------------------------------------
 # 3. Actions and prompts
 # ----------------------------------------------------------------------------------------
@@ -910,15 +895,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                 sys.exit("error: --predictions scores one --dataset and one --split")
             examples = load_split(args.dataset, args.split, args.data_dir or None, args.size or None, args.seed)
             sys.exit(report_predictions(args.predictions, examples, f"{args.dataset}/{args.split}"))
-        if args.check_retrieval:
-            retriever = Retriever(args.retriever or None, pooling=args.retriever_pooling)
-            for ds in datasets:
-                for sp in splits:
-                    r = retrieval_hit_rate(load_split(ds, sp, args.data_dir, args.size or None, args.seed), retriever)
-                    print(f"{ds}/{sp}: {r['queries']} supporting-title queries, "
-                          f"supporting paragraph retrieved {100 * r['supporting_hit']:.1f}%, "
-                          f"the titled paragraph itself {100 * r['same_paragraph']:.1f}%")
-            return
         for row in load_report(datasets, splits, args.data_dir):
             print(f"{row['dataset']:>14}/{row['split']:<5} loaded {row['loaded']:>5}  skipped {row['skipped']:<24} {row['file']}")
     except DataError as e:

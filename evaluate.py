@@ -19,10 +19,8 @@ paper's tables:
 Where a question has several gold answers (aliases, e.g. MuSiQue's `answer_aliases`),
 each metric is the maximum over them.
 
-A file of predictions, one {"id": "<example id>", "answer": "<text>"} object per line, is scored
-by `python env.py --predictions preds.jsonl --dataset hotpotqa [--split dev]` (env.py loads the
-split; report_predictions prints a markdown table, overall and per question type, then the JSON).
-This file imports nothing of the project.
+`python env.py --predictions preds.jsonl --dataset hotpotqa [--split dev]` scores a file of {"id", "answer"}
+lines (report_predictions: a table overall and per question type, then the JSON). Imports nothing of the project.
 """
 import json
 import re
@@ -223,13 +221,6 @@ def auc(scores: Sequence[float], labels: Sequence[bool | int]) -> float | None:
         return None
     rank_sum = sum(r for r, p in zip(_average_ranks(scores), pos) if p)
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
-
-
-def auc_by_step_type(scores: Sequence[float], labels: Sequence[bool], kinds: Sequence[str | None]) -> dict:
-    """auc of step scores against step labels for the search steps, the finish steps (`kinds`: each step's
-    valid action, None for an invalid one) and all of them."""
-    return {kind: auc([s for s, k in zip(scores, kinds) if kind in ("all", k)],
-                      [y for y, k in zip(labels, kinds) if kind in ("all", k)]) for kind in ("search", "finish", "all")}
 
 
 def report_predictions(path: str, examples: Sequence, source: str) -> int:

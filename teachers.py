@@ -2,16 +2,12 @@
 scores. warmup.py collects their trajectories (one record per question and sample), projects the scores (Eq. 6)
 and fine-tunes π and μ on them.
 
-  1. reading a teacher's scores: `clip_and_fit` (any K numbers -> K numbers in [-1, 1]);
-  2. the oracle teacher (`--teacher oracle`, the default: offline, free, deterministic): it acts from the gold
-     evidence (MuSiQue decomposition, 2Wiki evidence triples, synthetic hops, HotpotQA supporting titles),
-     plays gold and deliberately imperfect trajectories in the real environment, and annotates every step
-     with K criteria naming what the step targeted and K scores from what actually happened; the same
-     annotation of π_sft's own rollouts (`OnPolicyTeacher`: π plays, the teacher annotates, `--mu-data
-     policy`, the release's local-policy mode);
-  3. the OpenAI-compatible teacher (`--teacher openai`): one model acts as the policy through `env.rollout`,
-     another annotates each whole trajectory (our own trajectory-level prompt that states the decomposition
-     constraint); robust parsing, retries with exponential backoff, token and cost counters.
+1. a teacher's scores read (`clip_and_fit`); 2. the oracle teacher (`--teacher oracle`, offline, deterministic):
+it acts from the gold evidence, plays gold and deliberately imperfect trajectories in the real environment, and
+annotates every step with K criteria (what it targeted) and K scores (what happened); `OnPolicyTeacher`: π_sft
+plays, the oracle annotates (`--mu-data policy`, the release's local-policy mode); 3. the OpenAI-compatible
+teacher (`--teacher openai`): one model plays through `env.rollout`, another annotates whole trajectories (our
+prompt states the decomposition constraint); robust parsing, retries with backoff, token and cost counters.
 """
 from __future__ import annotations
 
@@ -485,27 +481,6 @@ class OnPolicyTeacher(OracleTeacher):
         metas = [{"variant": "policy", "imperfect": t.reward < 1.0, "n_targets": len(plans[(ex.dataset, ex.id)]),
                   "intents": inferred_intents(t, plans[(ex.dataset, ex.id)])} for (ex, _), t in zip(pairs, trajs)]
         return trajs, metas
-
-
-def gold_evidence_rate(examples: Sequence[env.Example], retriever, obs_chars: int = 400) -> dict:
-    """Play the oracle's gold trajectory on every example and measure the evidence it retrieved.
-
-    `all_evidence`: share of questions whose searches retrieved every supporting paragraph;
-    `fits_budget`: questions with no more supporting paragraphs than searches (2Wiki
-    bridge_comparison needs 4 with a budget of 3) and the share of those with all evidence.
-    """
-    teacher = OracleTeacher(obs_chars=obs_chars)
-    trajs, metas = teacher.rollout([(ex, 0) for ex in examples], retriever)
-    found = [evidence_found(t) for t in trajs]
-    fits = [m["evidence_fits_budget"] for m in metas]
-    n, nf = len(trajs), sum(fits)
-    by_type = {}
-    for ty in sorted({t.example.type for t in trajs}):
-        idx = [i for i, t in enumerate(trajs) if t.example.type == ty]
-        by_type[ty] = {"n": len(idx), "all_evidence": sum(found[i] for i in idx) / len(idx)}
-    return {"questions": n, "all_evidence": sum(found) / max(n, 1), "reward": sum(t.reward for t in trajs) / max(n, 1),
-            "fits_budget": nf, "all_evidence_when_fits": sum(f for f, ok in zip(found, fits) if ok) / max(nf, 1),
-            "by_type": by_type}
 
 
 # ----------------------------------------------------------------------------------------

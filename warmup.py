@@ -5,22 +5,13 @@ initialized on the trajectories, μ by a text-LM loss on the criteria plus an MS
 criterion scores") and Appendix B (warmup details, Eq. 6 and Eq. 7). The teachers themselves (the
 offline oracle, π_sft played and the oracle annotating, an OpenAI-compatible model) are in teachers.py.
 
-What lives here, top to bottom:
-  1. Eq. 6: `project_scores` (one shared shift, found by bisection, then clipping, so that the per-step
-     means of a trajectory sum to its reward R(τ); the teacher's order of scores is kept);
-  2. collection: k samples per question, one JSON record per (question, sample) appended and fsync'ed to
-     `runs/<dataset>/warmup/records.jsonl` as it finishes; a rerun resumes; a collection for another K goes
-     beside it (`records-k5.jsonl`, `collection_suffix`);
-  3. filtering (Eq. 6 within a tolerance; steps with empty criteria) and the two SFT datasets:
-     `policy_sft_examples` (π: the exact RL policy prompt -> the action string) and `rubric_sft_examples`
-     (μ: question, prefix h_t, action a_t, K criteria, K projected scores);
-  4. π SFT (`train_policy_sft`) and μ SFT (`rubric_sft_loss`, Eq. 7; `train_mu`), in batches of whole
-     trajectories;
-  5. the warmup run (`run`): collection, the SFT datasets, π SFT with its dev evaluation, μ SFT.
+Top to bottom: 1. Eq. 6, `project_scores`; 2. collection, one record per (question, sample) appended to
+`records.jsonl` as it finishes (a rerun resumes; another K's collection goes beside it); 3. filtering and the two
+SFT datasets (`policy_sft_examples`: π's exact RL prompt → the action; `rubric_sft_examples`: q, h_t, a_t, K
+criteria, K projected scores); 4. π SFT and μ SFT (Eq. 7) in batches of whole trajectories; 5. the warmup run.
 
     python warmup.py --dataset synthetic --warmup-size 200       # oracle teacher, offline
     python warmup.py --dataset hotpotqa --teacher openai         # needs OPENAI_API_KEY (and OPENAI_BASE_URL)
-    python warmup.py --check-gold --dataset all --split dev      # gold-evidence retrieval rates
 """
 from __future__ import annotations
 
@@ -45,7 +36,7 @@ from rubric_model import (ModelLoadError, RubricModel, StepContext, add_lora, ch
                           encode_response, load_backbone, load_backbone_checkpoint, merge_lora, policy_act,
                           save_backbone, trainable_parameters, training_passes, write_atomically)
 from teachers import (LockedRetriever, OnPolicyTeacher, OpenAITeacher, OracleTeacher, TeacherError, clip_and_fit,
-                      evidence_found, gold_evidence_rate)
+                      evidence_found)
 
 
 @dataclass
@@ -77,10 +68,6 @@ class Args(Settings, Split):
         "help": "π SFT also requires every supporting paragraph to have been retrieved (no lucky guesses); "
                 "--no-require-evidence gives the paper's reward-only filter"})
     tol: float = field(default=1e-6, metadata={"above": 0, "help": "tolerance of the decomposition constraint (Eq. 6) when filtering"})
-    check_gold: bool = field(default=False, metadata={
-        "help": "only measure how often the oracle's gold trajectories retrieve every supporting paragraph"})
-    check_size: int = field(default=0, metadata={
-        "help": "questions measured by --check-gold (0 = the whole split; synthetic: 200)"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
     collect_only: bool = field(default=False, metadata={"help": "stop after collection and the SFT datasets"})
     score_weight: float = field(default=10.0, metadata={"help": "λ of Eq. 7, the criterion-score loss weight (release: 10)"})
@@ -366,12 +353,9 @@ def trajectory_units(items: Sequence[dict]) -> list[list[int]]:
 
 
 def trajectory_batches(items: Sequence[dict], batch_size: int, rng: random.Random) -> list[list[list[int]]]:
-    """SFT's optimizer batches (π and μ): the items' trajectories (same id and sample) in a shuffled order, cut
-    into ceil(items / batch_size) batches of about `batch_size` steps each (a trajectory goes where the middle of
-    its steps falls), so an epoch takes as many optimizer steps as batches of single steps would. Each batch
-    is a list of trajectories (index lists): the training passes hold whole trajectories, whose shared
-    beginning (system prompt, question, history) the fast engine runs once. A choice of ours (CHOICES.md):
-    the release shuffles single steps."""
+    """SFT's optimizer batches (π and μ; the release shuffles single steps): the items' trajectories, shuffled, cut
+    into ceil(items / batch_size) batches of about `batch_size` steps (as many optimizer steps as single steps
+    give), each a list of whole trajectories, whose shared beginning the fast engine runs once (CHOICES.md)."""
     groups = trajectory_units(items)
     rng.shuffle(groups)
     n_batches = max(1, math.ceil(len(items) / max(1, batch_size)))
@@ -626,20 +610,14 @@ def mu_dir_name(settings: dict) -> str:
     return "mu_sft" + suffix
 
 
-def dev_questions(args) -> list:
-    return env.load_split(args.dataset, "dev", args.data_dir or None, args.sft_eval_size or args.eval_size or None,
-                          args.seed)
-
-
 def train_pi(args: Args, out_dir: Path, pi_examples: Sequence[dict], retriever) -> dict:
-    """π SFT (App. B) with its greedy dev evaluations (the base model first with --eval-all), π_sft/ saved merged,
-    the SFT-only evaluation kept for arco.py's epoch 0 (eval_sft_only.jsonl); the facts in metrics.json. A π_sft/
-    already in out_dir (an earlier warmup of the same collection) is kept, not trained again."""
+    """π SFT (App. B) with its greedy dev evaluations (the base model first, with --eval-all), π_sft/ saved merged,
+    the SFT-only evaluation kept for arco.py's epoch 0, the facts in metrics.json; a π_sft/ already there is kept."""
     old = json.loads((out_dir / "metrics.json").read_text()) if (out_dir / "metrics.json").is_file() else {}
     if (out_dir / "pi_sft" / "config.json").is_file() and "sft_only" in old:
         print(f"[warmup] π SFT: reusing {out_dir / 'pi_sft'}", flush=True)
         return old
-    dev = dev_questions(args)
+    dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.sft_eval_size or args.eval_size, args.seed)
     metrics: dict = {**old, "dataset": args.dataset, "dev_questions": len(dev)}
     settings = eval_settings(args.sft_eval_size or args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars,
                              args.gen_batch)
@@ -673,9 +651,8 @@ def train_pi(args: Args, out_dir: Path, pi_examples: Sequence[dict], retriever) 
 
 
 def train_mu(args, items: Sequence[dict], head_steps: int | None = None) -> tuple[RubricModel, dict]:
-    """μ SFT (App. B, Eq. 7) on `items`: a fresh μ (its backbone, K, variant, rubric format), its LoRA and score
-    head trained together, then the score-head fit (`head_steps`, default --sft-head-steps). Returns μ and the
-    facts of its SFT (Eq. 7's terms before and after on the first --warmup-probe items, the losses)."""
+    """μ SFT (App. B, Eq. 7) on `items`: a fresh μ's LoRA and score head trained together, then the score-head fit
+    (`head_steps`, default --sft-head-steps). Returns μ and its SFT's facts (Eq. 7's terms before/after, losses)."""
     mu_backbone = load_backbone(args.mu_model or args.model, device=args.device, dtype=args.dtype,
                                 autocast=args.autocast, engine=args.engine)
     torch.manual_seed(args.seed)                # μ's score head, LoRA and dropout (whether π was reused or not)
@@ -702,8 +679,8 @@ def train_mu(args, items: Sequence[dict], head_steps: int | None = None) -> tupl
 
 
 def keep_mu(out_dir: Path, name: str, mu: RubricModel, facts: dict) -> dict:
-    """μ saved as out_dir/name (a kill leaves none) and its facts in metrics.json["mu"][name], metrics.json read
-    again first: another warmup of the folder (a μ variant trained beside this one) may have added its μ."""
+    """μ saved as out_dir/name (a kill leaves none), its facts in metrics.json["mu"][name] (read again first: a μ
+    variant trained beside this one may have added its own)."""
     write_atomically(out_dir / name, mu.save)
     now = json.loads((out_dir / "metrics.json").read_text()) if (out_dir / "metrics.json").is_file() else {}
     metrics = {**now, "mu": {**now.get("mu", {}), name: facts}, **facts}   # the last μ also at the top level
@@ -763,20 +740,6 @@ def summarize(records: Sequence[dict], examples: Sequence[env.Example], run: dic
             "this_run": run, "mu_records_kept": len(kept), "dropped_mu": dict(dropped), "dropped_pi": dict(pi_dropped),
             "policy_sft_examples": len(pi), "rubric_sft_examples": len(mu),
             "teacher_usage_this_run": teacher.usage()}, pi, mu
-
-
-def check_gold(args: Args) -> None:
-    """--check-gold: how often the oracle's gold trajectories retrieve every supporting paragraph."""
-    retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
-    names = [d for d in env.DATASETS] if args.dataset == "all" else [args.dataset]
-    for ds in names:
-        examples = env.load_split(ds, args.split, args.data_dir or None, args.check_size or None, args.seed)
-        r = gold_evidence_rate(examples, retriever, args.obs_chars)
-        print(f"{ds}/{args.split}: {r['questions']} questions; the gold trajectory retrieved every supporting "
-              f"paragraph for {100 * r['all_evidence']:.1f}% (R = 1 for {100 * r['reward']:.1f}%); "
-              f"{r['fits_budget']} need no more searches than the budget ({env.DEFAULT_MAX_SEARCHES[ds]}), "
-              f"{100 * r['all_evidence_when_fits']:.1f}% of those; by type: "
-              + ", ".join(f"{t} {100 * v['all_evidence']:.0f}% of {v['n']}" for t, v in r["by_type"].items()))
 
 
 def check_retriever(folder: Path, retriever: str, pooling: str) -> None:
@@ -890,14 +853,10 @@ def run_from_arco(a, train_mu: bool = True) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(Args, argv, description=__doc__)
-    if not args.check_gold:
-        for name in {args.model, args.mu_model or args.model}:      # before any folder
-            check_model_available(name)
+    for name in {args.model, args.mu_model or args.model}:      # before any folder
+        check_model_available(name)
     try:
-        if args.check_gold:
-            check_gold(args)
-        else:
-            run(args)
+        run(args)
     except (env.DataError, TeacherError, ValueError) as e:
         sys.exit(f"error: {env.scrub(str(e))}")
 

@@ -2,12 +2,12 @@
 end (warmup → sparse epoch → dense epoch → evaluation → report), with --resume after a kill."""
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 import arco
+import config
 import env
 import plumbing
 import rubric_model as rm
@@ -180,14 +180,14 @@ def test_rubric_update_moves_lora_and_head_and_lowers_the_decomposition_error(ti
     groups = mu.parameter_groups(0.0, 0.0)
 
     def grads(pass_tokens):
-        args = arco.resolve_args(arco.Args(pass_tokens=pass_tokens, kl_mu=0.05))
+        args = arco.resolve_args(arco.Args(pass_tokens=pass_tokens, kl_mu=0.05, class_balance=True))
         out = arco.rubric_update(mu, torch.optim.SGD(groups, lr=0.0), trajs, contexts, rubrics, args)
         return out, [p.grad.clone() for g in groups for p in g["params"]]
     whole, g_whole = grads(10 ** 6)
     split, g_split = grads(1)                                 # every step its own part, recomputed in the backward
     # float32 sums in another order: equal to 1e-4 relative (loss), 1e-6 + 1e-4 relative (gradients)
     assert split["rubric_loss"] == pytest.approx(whole["rubric_loss"], rel=1e-4) and whole["kl_mu"] > 0
-    # Eq. 5 as the release scales it, by hand: class weights of R = (0, 0) are 2 / (2 · 2) = 1/2 each; each
+    # Eq. 5 as the release scales it (--class-balance, the paper preset), by hand: class weights of R = (0, 0) are 2 / (2 · 2) = 1/2 each; each
     # step's KL is the mean over its rubric tokens; the steps' KLs are summed and divided by |B| = 2.
     with torch.no_grad():
         s = mu.score(contexts, rubrics).s.tolist()
@@ -297,7 +297,7 @@ def test_whole_loop_leaves_a_readable_run(tiny_run):
     rows = read_jsonl(run / "metrics.jsonl")
     evals = [r for r in rows if r["kind"] == "eval"]
     updates = [r for r in rows if r["kind"] == "update"]
-    assert [r["epoch"] for r in evals] == [0, 1, 2]
+    assert [r["epoch"] for r in evals] == [0, 2]             # SFT only, then the epochs selection reads
     # 4 trajectories per update: sparse 2 questions × G = 2 (two updates), dense 4 questions × 1 (one)
     assert [(r["epoch"], r["dense"], r["questions"], r["trajectories"]) for r in updates] == \
         [(1, False, 2, 4), (1, False, 2, 4), (2, True, 4, 4)]
@@ -363,17 +363,20 @@ def test_the_whole_loop_writes_the_same_numbers_on_both_engines(tiny_run, tiny_d
         arco.main(tiny_args(tiny_dir, tiny_run, name=f"engine-{engine}", warmup_dir=warm, engine=engine,
                             lora_dropout=0, autocast="off", sampling="trajectory"))
         rows[engine] = numbers(read_jsonl(tiny_run / "synthetic" / f"engine-{engine}" / "metrics.jsonl"))
-    assert len(rows["fast"]) == 6 and first_difference(rows["plain"], rows["fast"]) is None
+    assert len(rows["fast"]) == 5 and first_difference(rows["plain"], rows["fast"]) is None
 
 
 @pytest.mark.parametrize("credit", ["projection", "causal"])
 def test_the_ground_truth_arms_score_steps_by_their_ground_truth(tiny_run, tiny_dir, credit):
-    """--credit projection | causal (the analysis arms of issues 33 and 41): no μ is loaded or trained, and the
-    dense epoch's s_t are study.ground_truth_scores of each step (the labels written in the traces), Σ_t s_t = R(τ);
-    for the causal oracle G_t = R − Φ(h_t), Φ the share of the chain's paragraphs found before step t."""
+    """The study's oracle arms through the core's one seam (arco.run(args, credit=study.arm_credit(...)), issues
+    33 and 41): no μ is loaded or trained, and the dense epoch's s_t are study.ground_truth_scores of each step (the
+    labels written in the traces), Σ_t s_t = R(τ); for the causal oracle G_t = R − Φ(h_t), Φ the share of the
+    chain's paragraphs found before step t."""
     warm = tiny_run / "synthetic" / "warmup"
-    arco.main(tiny_args(tiny_dir, tiny_run, credit=credit, warmup_dir=warm))
-    run = tiny_run / "synthetic" / f"{credit}-oracle"
+    args = arco.resolve_args(config.parse_args(arco.Args, tiny_args(tiny_dir, tiny_run, warmup_dir=warm,
+                                                                    name=f"{credit}-oracle")))
+    run = arco.run(args, credit=study.arm_credit({"credit": credit}))
+    assert run == tiny_run / "synthetic" / f"{credit}-oracle"
     assert not (run / "checkpoints" / "epoch_2" / "mu").exists()
     updates = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "update"]
     assert [r["dense"] for r in updates] == [False, False, True] and "rubric_loss" not in updates[-1]
@@ -388,8 +391,6 @@ def test_the_ground_truth_arms_score_steps_by_their_ground_truth(tiny_run, tiny_
             assert [st["G"] for st in row["steps"]] == pytest.approx([row["reward"] - p for p in phi], abs=1e-4)
         assert sum(s) == pytest.approx(row["reward"], abs=1e-3)
         assert [st["G"] for st in row["steps"]] == pytest.approx(arco.reward_to_go(s), abs=1e-3)
-    with pytest.raises(SystemExit, match=f"--credit {credit} needs --reward arco"):
-        arco.main(tiny_args(tiny_dir, tiny_run, credit=credit, reward="outcome", warmup_dir=warm))
 
 
 def test_learning_rate_and_kl_switch_at_the_transition(tiny_run, tiny_dir, monkeypatch):
@@ -479,16 +480,15 @@ def test_a_k_ablation_collects_its_own_annotations_and_shares_pi_sft(tiny_run, t
 def test_epoch_0_is_the_warmups_sft_only_evaluation_and_equals_a_fresh_one(tiny_run, tiny_dir):
     """arco.py takes the warmup's SFT-only evaluation as epoch 0 (same settings); evaluating π_sft
     plus the fresh B = 0 adapter again gives exactly the same numbers and trajectories."""
-    from evaluate import parse_args
     warm, run = tiny_run / "synthetic" / "warmup", tiny_run / "synthetic" / "arco"
     sft_only = json.loads((warm / "metrics.json").read_text())["sft_only"]
     ev0 = next(r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval")
     assert {k: ev0[k] for k in sft_only} == sft_only
-    args = arco.resolve_args(parse_args(arco.Args, tiny_args(tiny_dir, tiny_run)))
+    args = arco.resolve_args(config.parse_args(arco.Args, tiny_args(tiny_dir, tiny_run)))
     torch.manual_seed(args.seed)
     pi, _ = plumbing.build_models(args, warm, with_mu=False)
     dev = env.load_split("synthetic", "dev", None, args.eval_size, args.seed)
-    ev, trajs = arco.evaluate_policy(pi, dev, args, env.Retriever())
+    ev, trajs = plumbing.evaluate_policy(pi, dev, args, env.Retriever())
     assert ev == sft_only
     assert [[st.output for st in t.steps] for t in trajs] == \
         [[st["output"] for st in r["steps"]] for r in read_jsonl(run / "traces" / "eval_epoch_0.jsonl")]
@@ -600,7 +600,7 @@ def test_whole_loop_on_the_embedded_model_and_real_hotpotqa(tmp_path, data_dir):
     rows = read_jsonl(run / "metrics.jsonl")
     evals = [r for r in rows if r["kind"] == "eval"]
     updates = [r for r in rows if r["kind"] == "update"]
-    assert [r["epoch"] for r in evals] == [0, 1, 2] and all(r["n"] == 2 for r in evals)
+    assert [r["epoch"] for r in evals] == [0, 2] and all(r["n"] == 2 for r in evals)   # SFT only, then selectable
     assert [(r["epoch"], r["dense"], r["questions"], r["trajectories"]) for r in updates] == \
         [(1, False, 1, 2), (1, False, 1, 2), (2, True, 2, 2)]
     for r in updates:

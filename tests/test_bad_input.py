@@ -1,7 +1,6 @@
 """Bad input refused before any work (issue 34): every numeric flag of every script out of its declared range,
 every path flag pointing nowhere, the five inputs that used to slip through, and damaged checkpoints."""
 import dataclasses
-import json
 import math
 import os
 import subprocess
@@ -13,14 +12,16 @@ import types
 import pytest
 
 import arco
+import benchmark
 import diagnostics
 import env
 import config
 import rubric_model as rm
 import warmup
 
-SCRIPTS = {"env": (env, []), "rubric_model": (rm, []), "warmup": (warmup, ["--dataset", "synthetic"]),
-           "arco": (arco, ["--dataset", "synthetic"]), "diagnostics": (diagnostics, [])}
+SCRIPTS = {"env": (env, [], env.Args), "benchmark": (benchmark, ["sample"], benchmark.ModelArgs),
+           "warmup": (warmup, ["--dataset", "synthetic"], warmup.Args), "arco": (arco, ["--dataset", "synthetic"], arco.Args),
+           "diagnostics": (diagnostics, [], diagnostics.Args)}
 
 
 def out_of_range(f, kind) -> list[str]:
@@ -35,9 +36,9 @@ def out_of_range(f, kind) -> list[str]:
 
 
 def cases():
-    for name, (module, base) in SCRIPTS.items():
-        hints = typing.get_type_hints(module.Args)
-        for f in dataclasses.fields(module.Args):
+    for name, (module, base, settings) in SCRIPTS.items():
+        hints = typing.get_type_hints(settings)
+        for f in dataclasses.fields(settings):
             kind = hints[f.name]
             if typing.get_origin(kind) in (typing.Union, types.UnionType):
                 kind = next(a for a in typing.get_args(kind) if a is not type(None))

@@ -24,7 +24,7 @@ import study
 import rubric_model as rm
 import warmup
 from conftest import ChatServer
-from evaluate import main_guard
+from config import main_guard
 from test_arco import tiny_args
 
 
@@ -556,7 +556,7 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
     monkeypatch.setattr(warmup, "on_policy_teacher", lambda a, o, policy=None: players.append(policy) or
                         teacher(a, o, policy))
     monkeypatch.setattr(rm.RubricModel, "load", lambda folder, **kw: judges.append(Path(folder)) or load(folder, **kw))
-    monkeypatch.setattr(warmup, "POLICY_PROBE_QUESTIONS", 2)
+    monkeypatch.setattr(study, "POLICY_PROBE_QUESTIONS", 2)
     arms = list(study.ARMS)
     out = study.fork_study(argv, [0], arms)
     root = tmp_path / "synthetic-long"
@@ -636,7 +636,7 @@ def test_a_study_run_another_process_is_running_is_refused(tmp_path, monkeypatch
     args = arco.Args(out_dir=str(tmp_path), dataset="synthetic-long", name="arco-s2")
     run_dir = tmp_path / "synthetic-long" / "arco-s2"
     seen = []
-    monkeypatch.setattr(arco, "run", lambda a: seen.append((run_dir / "running.lock").read_text()) or run_dir)
+    monkeypatch.setattr(arco, "run", lambda a, **kw: seen.append((run_dir / "running.lock").read_text()) or run_dir)
     run_dir.mkdir(parents=True)
     with open(run_dir / "running.lock", "w") as other:
         other.write("12345")

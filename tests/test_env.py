@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+import diagnostics
+
 import env
 from conftest import REPO
 
@@ -242,7 +244,7 @@ def test_retrieval_hit_rate_arithmetic():
     class Fixed:  # query "A" -> paragraph 1 (a supporting one, not its own); "B" -> 2 (a miss)
         def retrieve(self, examples, queries):
             return [{"A": 1, "B": 2}[q] for q in queries]
-    assert env.retrieval_hit_rate([ex], Fixed()) == {"queries": 2, "supporting_hit": 0.5, "same_paragraph": 0.0}
+    assert diagnostics.retrieval_hit_rate([ex], Fixed()) == {"queries": 2, "supporting_hit": 0.5, "same_paragraph": 0.0}
 
 
 def test_retriever_encodes_normalized_and_caches(retriever):

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import arco
-import env
 import study
 
 V = json.loads((Path(__file__).parent / "vectors.json").read_text())

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
+import diagnostics
+
 import env
+import teachers
 import warmup
 from conftest import REPO, ChatServer
 
@@ -100,13 +103,13 @@ def test_project_scores_properties():
 
 
 def test_clip_and_fit():
-    assert warmup.clip_and_fit([0.5, "-0.25", 3, "-7"], 4) == [0.5, -0.25, 1.0, -1.0]
-    assert warmup.clip_and_fit([0.5], 3) == [0.5, 0.0, 0.0]  # padded with 0.0
-    assert warmup.clip_and_fit([0.1, 0.2, 0.3, 0.4], 2) == [0.1, 0.2]  # cut
-    assert warmup.clip_and_fit(["high", None, True, float("nan")], 4) == [0.0, 0.0, 0.0, 0.0]
-    assert warmup.clip_and_fit(0.7, 2) == [0.7, 0.0] and warmup.clip_and_fit(None, 2) == [0.0, 0.0]
-    assert warmup.clip_and_fit([float("inf"), " 0.5 "], 2) == [1.0, 0.5]
-    assert warmup.fit_scores([2, "x"], 3)[1] == ["2 scores for K=3", "out of range score 2", "non-numeric score 'x'"]
+    assert teachers.clip_and_fit([0.5, "-0.25", 3, "-7"], 4) == [0.5, -0.25, 1.0, -1.0]
+    assert teachers.clip_and_fit([0.5], 3) == [0.5, 0.0, 0.0]  # padded with 0.0
+    assert teachers.clip_and_fit([0.1, 0.2, 0.3, 0.4], 2) == [0.1, 0.2]  # cut
+    assert teachers.clip_and_fit(["high", None, True, float("nan")], 4) == [0.0, 0.0, 0.0, 0.0]
+    assert teachers.clip_and_fit(0.7, 2) == [0.7, 0.0] and teachers.clip_and_fit(None, 2) == [0.0, 0.0]
+    assert teachers.clip_and_fit([float("inf"), " 0.5 "], 2) == [1.0, 0.5]
+    assert teachers.fit_scores([2, "x"], 3)[1] == ["2 scores for K=3", "out of range score 2", "non-numeric score 'x'"]
 
 
 # ----------------------------------------------------------------------------- the oracle teacher
@@ -137,7 +140,7 @@ def test_oracle_on_synthetic(retriever, tmp_path):
     assert rewards[1.0] >= 12 and rewards[0.0] >= 12  # both outcomes in the warmup set
     gold = [r for r in records if r["variant"] == "gold"]
     assert len(gold) == 12 and all(r["reward"] == 1.0 and r["evidence_found"] for r in gold)
-    assert {r["variant"] for r in records} == {"gold", *warmup.VARIANTS}
+    assert {r["variant"] for r in records} == {"gold", *teachers.VARIANTS}
     for r in records:
         check_record(r, 3)
         for s in r["steps"]:  # every step logged as the environment saw it
@@ -222,16 +225,17 @@ def test_oracle_on_shared_dev_samples(data_dir, retriever, tmp_path):
 
 
 def test_gold_evidence_rate_hotpotqa_sample(data_dir, retriever):
-    # Acceptance 2 is measured on the whole dev sample by `warmup.py --check-gold` (README); here a slice.
+    # Acceptance 2 is measured on the whole dev sample by `diagnostics.py --check-gold` (README); here a slice.
     examples = env.load_split("hotpotqa", "dev", data_dir, size=20, seed=2)
-    r = warmup.gold_evidence_rate(examples, retriever)
+    r = diagnostics.gold_evidence_rate(examples, retriever)
     assert r["questions"] == 20 and r["reward"] == 1.0 and r["all_evidence"] >= 0.85
 
 
 def test_check_gold_cli(capsys):
-    warmup.main(["--check-gold", "--dataset", "synthetic", "--check-size", "8", "--no-progress"])
+    diagnostics.main(["--check-gold", "--check-retrieval", "--dataset", "synthetic", "--split", "train", "--check-size", "8"])
     out = capsys.readouterr().out
     assert re.search(r"synthetic/train: 8 questions; the gold trajectory retrieved every supporting paragraph for \d", out)
+    assert re.search(r"synthetic/train: \d+ supporting-title queries, supporting paragraph retrieved \d", out)
 
 
 # ----------------------------------------------------------------------------- SFT datasets and filtering
@@ -464,21 +468,21 @@ def test_parse_annotation_variants():
     T, K = 2, 2
     text = ('Here you go:\n[{"step": 0, "criteria": [{"criterion": "a1", "score": "0.5"}, {"text": "a2", "score": 2}]},'
             ' {"step": 1, "criteria": ["b1", "b2", "b3"], "scores": [0.1, 0.2, 0.3]}]')
-    c, s, issues = warmup.parse_annotation(text, T, K)
+    c, s, issues = teachers.parse_annotation(text, T, K)
     assert c == [["a1", "a2"], ["b1", "b2"]] and s == [[0.5, 1.0], [0.1, 0.2]]
     assert any("out of range" in i for i in issues) and any("3 scores" in i for i in issues)
-    c, s, issues = warmup.parse_annotation('{"steps": [{"step": "Step 2", "criteria": ["x"], "scores": [1]}]}', T, K)
+    c, s, issues = teachers.parse_annotation('{"steps": [{"step": "Step 2", "criteria": ["x"], "scores": [1]}]}', T, K)
     assert c == [["", ""], ["x", ""]] and s == [[0.0, 0.0], [1.0, 0.0]] and "step 1 missing" in issues
     with pytest.raises(warmup.TeacherError):
-        warmup.parse_annotation("I cannot grade this.", T, K)
+        teachers.parse_annotation("I cannot grade this.", T, K)
     with pytest.raises(warmup.TeacherError):
-        warmup.parse_annotation('{"verdict": "good"}', T, K)
+        teachers.parse_annotation('{"verdict": "good"}', T, K)
 
 
 def test_rubric_prompt_states_the_constraint(retriever):
     [ex] = env.synthetic_examples(1, seed=9, split="train")
     trajs, metas = warmup.OracleTeacher().rollout([(ex, 0)], retriever)
-    msgs = warmup.annotation_messages(trajs[0], 3)
+    msgs = teachers.annotation_messages(trajs[0], 3)
     user = msgs[1]["content"]
     assert ex.question in user and "R = 1" in user and "exactly 3 criteria" in user
     assert "must sum to R = 1" in user and "Step 3 (searches left: 1): Finish[" in user

@@ -193,11 +193,11 @@ def test_pi_sft_keeps_the_epoch_with_the_best_dev_em(tiny_dir, tmp_path, retriev
 
 def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
     out = tmp_path / "warmup"
-    args = warmup.Args(dataset="synthetic", warmup_size=3, warmup_samples=2, eval_size=3, out_dir=str(out),
+    args = warmup.Args(dataset="synthetic", warmup_size=3, warmup_samples=2, eval_size=3, warmup_dir=str(out),
                        model=str(tiny_dir), device="cpu", sft_epochs_pi=2, sft_epochs_mu=1, sft_batch_pi=4,
-                       sft_batch_mu=4, max_new_tokens_pi=8, warmup_probe=4, progress=False,
+                       sft_batch_mu=4, max_new_tokens_pi=8, warmup_probe=4, progress=False, eval_all=True,
                        sft_head_steps=0)              # the release's (the cpu preset fits the head: 500 steps)
-    assert args.sft_questions_mu == 8 and args.preset == "cpu"     # the rest: the cpu preset, as in arco.py
+    assert args.sft_questions_mu == 20 and args.preset == "cpu"    # the rest: the cpu preset, as in arco.py
     warmup.run(args)
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics) >= {"base", "sft_only", "mu_sft_terms_before", "mu_sft_terms_after"}
@@ -215,7 +215,7 @@ def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
     assert float(scores.s) == pytest.approx(float(scores.d.mean()))          # Eq. 2 after a reload
     assert metrics["mu"]["mu_sft"]["sft_head_steps"] == 0 and "mu_head_fit_error" not in metrics["mu"]["mu_sft"]
     torch.manual_seed(12345)            # whatever the process drew before: the same seed, the same warmup
-    again = warmup.run(dataclasses.replace(args, out_dir=str(tmp_path / "again")))
+    again = warmup.run(dataclasses.replace(args, warmup_dir=str(tmp_path / "again")))
     repeat = json.loads((again / "metrics.json").read_text())
     assert repeat["pi_sft_loss_per_epoch"] == metrics["pi_sft_loss_per_epoch"]
     assert repeat["mu"]["mu_sft"]["mu_sft_loss_per_epoch"] == metrics["mu"]["mu_sft"]["mu_sft_loss_per_epoch"]
@@ -224,7 +224,7 @@ def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
         warmup.run(args)
     args.sft_head_steps = 0
     args.sft_questions_mu = 2           # a μ fine-tuned on other questions is not silently reused
-    with pytest.raises(env.DataError, match="--sft-questions-mu 8"):
+    with pytest.raises(env.DataError, match="--sft-questions-mu 20"):
         warmup.run(args)
 
 
@@ -234,7 +234,7 @@ def test_mu_on_pi_own_rollouts_end_to_end_on_tiny_model(tiny_dir, tmp_path, retr
     questions are in its name); then μ's AUC by step type on π_sft's seeded rollouts of held-out dev questions
     (the same steps for every μ)."""
     out = tmp_path / "warmup"
-    args = warmup.Args(dataset="synthetic", warmup_size=3, warmup_samples=2, eval_size=2, out_dir=str(out),
+    args = warmup.Args(dataset="synthetic", warmup_size=3, warmup_samples=2, eval_size=2, warmup_dir=str(out),
                        model=str(tiny_dir), device="cpu", sft_epochs_pi=1, sft_epochs_mu=1, sft_batch_pi=4,
                        sft_batch_mu=4, max_new_tokens_pi=8, warmup_probe=2, progress=False,
                        sft_head_steps=0, sft_questions_mu=2, mu_data="policy")
@@ -243,7 +243,7 @@ def test_mu_on_pi_own_rollouts_end_to_end_on_tiny_model(tiny_dir, tmp_path, retr
     assert len(records) == 4 and {r["teacher"] for r in records} == {"oracle-on-policy"}     # 2 questions × 2
     assert all(len(st["criteria"]) == 3 for r in records for st in r["steps"])
     assert (out / "mu_sft-policy-q2" / "config.json").is_file() and not (out / "mu_sft").exists()
-    monkeypatch.setattr(warmup, "POLICY_PROBE_QUESTIONS", 4)
+    monkeypatch.setattr(study, "POLICY_PROBE_QUESTIONS", 4)
     mu = rm.RubricModel.load(out / "mu_sft-policy-q2", device="cpu")
     trajs = study.policy_dev_rollouts(args, out, retriever)
     first = study.policy_dev_auc(mu, trajs, 4)
@@ -259,8 +259,8 @@ def test_warmup_evaluates_on_its_own_dev_size_and_keeps_the_base_evaluation(tiny
     does not evaluate the base model again when it is run again."""
     out = tmp_path / "warmup"
     args = warmup.Args(dataset="synthetic", warmup_size=3, warmup_samples=1, eval_size=3, sft_eval_size=2,
-                       out_dir=str(out), model=str(tiny_dir), device="cpu", sft_epochs_pi=1, sft_batch_pi=4,
-                       max_new_tokens_pi=8, progress=False, train_mu=False)
+                       warmup_dir=str(out), model=str(tiny_dir), device="cpu", sft_epochs_pi=1, sft_batch_pi=4,
+                       max_new_tokens_pi=8, progress=False, train_mu=False, eval_all=True)
     warmup.run(args)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["dev_questions"] == 2 and metrics["base"]["n"] == 2 and metrics["sft_only_settings"]["eval_size"] == 2
@@ -373,9 +373,16 @@ def test_each_mu_variant_has_a_folder_of_its_own():
     base = {"rubric": "adaptive", "k": 3, "model": "embedded", "mu_model": "embedded", "sft_head_steps": 500}
     assert warmup.mu_dir_name(base) == "mu_sft" == warmup.mu_dir_name({})            # an old run's args.json
     assert warmup.mu_dir_name({**base, "mu_data": "policy", "sft_questions_mu": 40}) == "mu_sft-policy-q40"
-    assert warmup.mu_dir_name({**base, "mu_data": "policy", "sft_questions_mu": 0, "policy_samples": 4,
-                               "criteria": "check", "head_fit": "own", "balance_finishes": True}) == \
-        "mu_sft-policy-qall-n4-check-ownhead-bal"
-    assert warmup.mu_dir_name({**base, "head_fit": "own", "sft_head_steps": 0}) == "mu_sft"   # no fit, no variant
+    assert warmup.mu_dir_name({**base, "mu_data": "policy", "sft_questions_mu": 0}) == "mu_sft-policy-qall"
     assert warmup.mu_dir_name({**base, "rubric": "none", "mu_data": "policy", "sft_questions_mu": 8}) == \
         "mu_sft-none-policy-q8"
+
+
+def test_each_ladder_variant_has_a_folder_of_its_own():
+    base = {"rubric": "adaptive", "k": 3, "model": "embedded", "mu_model": "embedded", "sft_head_steps": 500,
+            "mu_data": "policy", "sft_questions_mu": 0}
+    assert study.ladder_mu_name(base, {}) == "mu_sft-policy-qall"                  # no variant: core's own name
+    assert study.ladder_mu_name(base, {"policy_samples": 4, "criteria": "check", "head_fit": "own",
+                                       "balance_finishes": True}) == "mu_sft-policy-qall-n4-check-ownhead-bal"
+    assert study.ladder_mu_name({**base, "sft_head_steps": 0}, {"head_fit": "own"}) == "mu_sft-policy-qall"
+    assert study.ladder_mu_name({**base, "mu_data": "teacher"}, {"policy_samples": 4}) == "mu_sft"  # no π rollouts
