@@ -61,7 +61,7 @@ class DataSettings:
                                                   "choices": list(PRESET_NAMES)})
     dataset: str = field(default="hotpotqa", metadata={
         "help": "hotpotqa, 2wiki, musique, synthetic (2-hop worlds) or synthetic-long (3-4 hops, look-alikes, budget 5); "
-                "env.py and warmup.py --check-gold also take all", "choices": [*DATASETS, "all"]})
+                "env.py and diagnostics.py's checks also take all", "choices": [*DATASETS, "all"]})
     data_dir: str = field(default="", metadata={"path": "dir", "help": "data folder holding <dataset>/<split>.jsonl "
                                                                      "(else $ARCO_DATA_DIR, else a download; "
                                                                      "diagnostics.py: else each run's own)"})

@@ -631,7 +631,7 @@ def write_report(run_dir: Path, history: list[dict], sel: dict, args) -> None:
 
 
 MU_COLUMNS = (("rubric_parse_rate", "K criteria"), ("copied_rate", "copied from μ's prompt"),
-              ("sum_auc", "AUC of Σ_t s_t for R"), ("decomposition_mse", "decomposition error (Eq. 5)"))
+              ("sum_auc", "AUC of Σ_t s_t for R"), ("decomposition_mse", "Eq. 5 error: before ●, after ×"))
 
 
 def mu_report(run_dir: Path) -> list[str]:

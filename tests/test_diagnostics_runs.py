@@ -35,10 +35,11 @@ def tiny_argv(tiny_dir, out, **kw):
 
 @pytest.fixture(scope="module")
 def runs(tiny_dir, tmp_path_factory):
-    """runs/synthetic/{warmup, arco (2 epochs, dense from 2), outcome (1 epoch)}."""
+    """runs/synthetic/{warmup, arco (2 epochs, dense from 2), outcome (1 epoch)}, every stage evaluated (--eval-all:
+    the base model and every epoch, the rows a comparison reuses)."""
     out = tmp_path_factory.mktemp("runs")
-    arco.main(tiny_argv(tiny_dir, out))
-    arco.main(tiny_argv(tiny_dir, out, reward="outcome", epochs=1))
+    arco.main(tiny_argv(tiny_dir, out, eval_all=True))
+    arco.main(tiny_argv(tiny_dir, out, reward="outcome", epochs=1, eval_all=True))
     return out / "synthetic"
 
 

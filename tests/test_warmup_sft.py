@@ -276,9 +276,10 @@ def test_warmup_evaluates_on_its_own_dev_size_and_keeps_the_base_evaluation(tiny
 
 # --- issue 41: what μ's score head learns to read ---------------------------------------------------------------
 
-def _search(ex, i, left):
+def _search(ex, i, left, query=None):
     title = ex.paragraphs[i][0]
-    return env.Step(prompt=[], output=f"Search[{title}]", action="search", argument=title,
+    query = query or title
+    return env.Step(prompt=[], output=f"Search[{query}]", action="search", argument=query,
                     observation=env.observation_text(ex.paragraphs[i], 300), valid=True, reason="",
                     searches_left=left, forced_finish=False, retrieved=i)
 
@@ -300,10 +301,14 @@ def test_check_criteria_carry_no_verdict():
     assert env.step_usefulness({"steps": [vars(s) for s in prefix + [useful]], "gold": ex.answers}, ex.supporting)[1]
     assert not env.step_usefulness({"steps": [vars(s) for s in prefix + [useless]], "gold": ex.answers},
                                    ex.supporting)[1]
+    # queries other than the titles they retrieve: a criterion that quoted what the step brought back (its
+    # paragraph's title, a verdict) would differ between the two searches beyond the query
+    asked, asked_other = _search(ex, hop2, 4, "the next link of the chain"), _search(ex, other, 4, "a look-alike")
     for K in (3, 5):
-        a, b = study.check_criteria(prefix, useful, K), study.check_criteria(prefix, useless, K)
+        a, b = study.check_criteria(prefix, asked, K), study.check_criteria(prefix, asked_other, K)
         assert len(a) == K and a != b
-        assert [c.replace(useful.argument, "Q") for c in a] == [c.replace(useless.argument, "Q") for c in b]
+        assert [c.replace(asked.argument, "Q") for c in a] == [c.replace(asked_other.argument, "Q") for c in b]
+        assert not any(ex.paragraphs[hop2][0] in c or ex.paragraphs[other][0] in c for c in a + b)
         right, wrong = study.check_criteria(prefix, _finish(ex.answer, 4), K), \
             study.check_criteria(prefix, _finish("1899", 4), K)
         assert [c.replace(ex.answer, "A") for c in right] == [c.replace("1899", "A") for c in wrong]
