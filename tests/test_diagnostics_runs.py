@@ -533,16 +533,18 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
     """study.py fork (issue 41) on the tiny model, one seed, every arm: one sparse phase (μ co-evolving by Eq. 5),
     then each arm forked from its last checkpoint: every arm starts from the same π, μ and optimizer states
     (the rubric-free arm from its own sparse run), shares the sparse phase's logs, and draws the same first
-    dense batch; the curves have a point every --eval-every updates; the table pairs each arm with outcome RL
+    dense batch; the curves have a point every study.EVAL_EVERY updates; the table pairs each arm with outcome RL
     of the same seed (at the sparse settings, not the control at the dense ones); a second call finds every run finished and trains nothing."""
     argv = tiny_args(tiny_dir, tmp_path, train_size=4, eval_size=3, group_size=2, dense_samples=2, batch_size=4,
-                     epochs=2, sparse_epochs=1, warmup_size=4, sft_eval_size=3, eval_every=1, curve_size=2)
+                     epochs=2, sparse_epochs=1, warmup_size=4, sft_eval_size=3)
+    monkeypatch.setattr(study, "EVAL_EVERY", 1)                              # a curve point after every update
+    monkeypatch.setattr(study, "CURVE_SIZE", 2)
     argv = [a for a in argv if a not in ("--dataset", "synthetic")]          # the study's synthetic-long
     started = {}
     resume_from = arco.resume_from
 
-    def recording(folder, run_dir, args):
-        out = resume_from(folder, run_dir, args)
+    def recording(folder, run_dir, args, *rest):
+        out = resume_from(folder, run_dir, args, *rest)
         pi, mu, opt_pi, opt_mu = out[:4]
         started[run_dir.name] = (Path(folder).parent.parent.name, out[4:6],
                                  sum(float(p.detach().double().sum()) for p in pi.model.parameters()),
