@@ -130,10 +130,10 @@ def test_the_estimate_holds_a_decoding_batch_twice_its_first_keys_in_the_weights
         args = arco.resolve_args(arco.Args(dataset="hotpotqa", model="random:SmolLM2-135M", engine="plain",
                                            device="cpu", dtype="float32", autocast=path))
         rows[path] = plumbing.memory_estimate(args)["rollout KV cache"]
-    # μ's batch is the longer (its reply): 32 prompts × (350 + 3 searches × (300/4 + 30) + π's 32 + μ's 96)
-    assert (args.gen_batch, args.obs_chars, args.max_new_tokens_pi, args.max_new_tokens_mu) == (32, 300, 32, 96)
-    assert rows["off"] == pytest.approx(32 * 793 * (46_080 + 46_080) / 2 ** 30)
-    assert rows["on"] == pytest.approx(32 * 793 * (23_040 + 34_560) / 2 ** 30)
+    # μ's batch is the longer (its reply): 32 prompts × (350 + 3 searches × (300/4 + 30) + π's 32 + μ's 64)
+    assert (args.gen_batch, args.obs_chars, args.max_new_tokens_pi, args.max_new_tokens_mu) == (32, 300, 32, 64)
+    assert rows["off"] == pytest.approx(32 * 761 * (46_080 + 46_080) / 2 ** 30)
+    assert rows["on"] == pytest.approx(32 * 761 * (23_040 + 34_560) / 2 ** 30)
 
 
 def test_dry_run_prints_the_paper_presets_memory_without_any_download(capsys):

@@ -12,6 +12,8 @@ import pytest
 
 import arco
 import env
+import warmup
+from config import parse_args
 from test_arco import tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +89,7 @@ def traced_run(argv) -> set[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def reading_path(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("reading")
-    arco.main(tiny_args(tiny_dir, out, engine="plain", epochs=1, sparse_epochs=0))    # its warmup, made first
+    warmup.run_from_arco(arco.resolve_args(parse_args(arco.Args, tiny_args(tiny_dir, out, engine="plain"))))  # first
     env._RETRIEVERS.clear()
     entered = traced_run(tiny_args(tiny_dir, out, engine="plain", name="traced"))
     path = {}

@@ -545,7 +545,7 @@ def test_kill_and_resume_the_cli(api_env, retriever, tmp_path):
     cmd = [sys.executable, "warmup.py", "--dataset", "synthetic", "--warmup-size", "6", "--warmup-samples", "2",
            "--teacher", "openai",
            "--teacher-policy-model", "fake-policy", "--teacher-rubric-model", "fake-rubric", "--concurrency", "1",
-           "--backoff", "0.01", "--timeout", "5", "--out-dir", str(out), "--no-progress"]
+           "--backoff", "0.01", "--timeout", "5", "--warmup-dir", str(out), "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     records = out / "records.jsonl"
     deadline = time.time() + 90

@@ -325,12 +325,13 @@ def test_check_criteria_carry_no_verdict():
 
 
 def test_check_criteria_items_keep_the_teacher_scores(tmp_path, retriever):
-    """rubric_sft_examples(criteria="check"): the same items, the same scores slot for slot, only the text is the
-    checks'; balanced_finishes repeats the rarer finish class until both count alike."""
+    """study.check_items (the ladder's check criteria): the same items, the same scores slot for slot, only the
+    text is the checks'; balanced_finishes repeats the rarer finish class until both count alike."""
     examples = env.load_split("synthetic-long", "train", size=4, seed=0)
     warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=3, K=3, progress=False)
     kept = warmup.filter_records(env.read_jsonl(tmp_path / "records.jsonl"), 3)[0]
-    verdict, check = warmup.rubric_sft_examples(kept), warmup.rubric_sft_examples(kept, "check")
+    verdict = warmup.rubric_sft_examples(kept)
+    check = study.check_items(verdict, kept, 3)
     assert [(v["action"], v["scores"]) for v in verdict] == [(c["action"], c["scores"]) for c in check]
     assert all(c["criteria"] != v["criteria"] for v, c in zip(verdict, check))
     assert any("hop" in " ".join(v["criteria"]) for v in verdict) and not any("hop" in " ".join(c["criteria"])
@@ -346,7 +347,7 @@ def test_check_criteria_items_keep_the_teacher_scores(tmp_path, retriever):
 
 
 def test_the_own_rubric_head_fit_reads_what_mu_writes(tiny_dir, tmp_path, retriever, monkeypatch):
-    """--head-fit own: the score head's pooled vectors come from (q, h_t, a_t, r_t) with μ's own greedy r_t, not
+    """The ladder's own-rubric head fit (fit_score_head's `rubrics`): the score head's pooled vectors come from (q, h_t, a_t, r_t) with μ's own greedy r_t, not
     the teacher's criteria; by hand on the tiny model: the fitted head's error is the one computed here on
     μ.pooled over μ's own rubrics."""
     examples = env.load_split("synthetic", "train", size=2, seed=0)
@@ -361,7 +362,7 @@ def test_the_own_rubric_head_fit_reads_what_mu_writes(tiny_dir, tmp_path, retrie
     scoring_ids = mu.scoring_ids
     monkeypatch.setattr(mu, "scoring_ids", lambda cs, rs: read.append([r.text for r in rs]) or scoring_ids(cs, rs))
     head = {k: v.clone() for k, v in mu.head.state_dict().items()}
-    before, _ = warmup.fit_score_head(mu, items, steps=3, lr=1e-2, own=True, max_new_tokens=12, gen_batch=4)
+    before, _ = warmup.fit_score_head(mu, items, steps=3, lr=1e-2, rubrics=own)
     assert read == [[r.text for r in own]]
     fitted = {k: v.clone() for k, v in mu.head.state_dict().items()}
     mu.head.load_state_dict(head)
