@@ -501,9 +501,9 @@ def mu_at_work(mu, trajs, contexts, rubrics, s) -> dict:
                                 [t.reward > 0.5 for t in trajs])}
     if mu.rubric_mode in ("static", "none"):
         return out
-    written = [(c, ctx) for ctx, r in zip(contexts, rubrics) for c in r.criteria if c.strip()]
+    written = [(c, p) for p, r in zip(map(mu.prompt_text, contexts), rubrics) for c in r.criteria if c.strip()]
     out["rubric_parse_rate"] = sum(r.complete for r in rubrics) / max(1, len(rubrics))
-    out["copied_rate"] = sum(copied_from_prompt(c, mu.prompt_text(ctx)) for c, ctx in written) / max(1, len(written))
+    out["copied_rate"] = sum(copied_from_prompt(c, p) for c, p in written) / max(1, len(written))
     return out
 
 
