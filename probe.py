@@ -277,14 +277,15 @@ def probe_batches(n_questions: int, samples: int, composition: str) -> list[list
 
 
 def probe_stats(grads: torch.Tensor, offsets: list[int], trajs, scores, values, gstar: dict, schemes: Sequence[str],
-                n_questions: int, samples: int, alpha: float, fallback: bool) -> list[dict]:
+                n_questions: int, samples: int, alpha: float, fallback: bool, resamples: int = 2000) -> list[dict]:
     """Per (scheme, composition): the cosine of each batch gradient with g* (mean and 95% interval over the
     batches), the batch gradients' spread relative to their component along g* (tr Cov / ⟨ḡ, ĝ*⟩²: lower is a
     better-conditioned step; also relative to outcome RL at 2 × 4), and the bias seen in the mean gradient
-    ḡ over all batches: its cosine with g*, and its component orthogonal to g*."""
+    ḡ over all batches: its cosine with g*, and its component orthogonal to g*. The intervals of the last three
+    come from one paired bootstrap over blocks of questions (block_bootstrap)."""
     g = gstar["g"].double()
     u = g / g.norm()
-    rows = []
+    rows, grams = [], []
     for composition in COMPOSITIONS:
         batches = probe_batches(n_questions, samples, composition)
         for name in schemes:
@@ -305,10 +306,55 @@ def probe_stats(grads: torch.Tensor, offsets: list[int], trajs, scores, values, 
                          "along": along, "noise_to_signal": spread / along ** 2 if along else None,
                          "mean_cos": float(F_cos(mean, g)),
                          "orthogonal_share": float((mean - along * u).norm() / mean.norm()) if mean.norm() else None})
-    base = next(r for r in rows if r["scheme"] == "outcome" and r["composition"] == "2x4")["noise_to_signal"]
+            grams.append((gb @ gb.T, gb @ u))
+    base = next(i for i, r in enumerate(rows) if r["scheme"] == "outcome" and r["composition"] == "2x4")
     for r in rows:
-        r["variance_vs_outcome_2x4"] = r["noise_to_signal"] / base if r["noise_to_signal"] and base else None
+        r["variance_vs_outcome_2x4"] = (r["noise_to_signal"] / rows[base]["noise_to_signal"]
+                                        if r["noise_to_signal"] and rows[base]["noise_to_signal"] else None)
+    boot = block_bootstrap(grams, samples, resamples)        # a block: 8 questions × `samples` = `samples` batches
+    for r, b in zip(rows, boot):
+        r["variance_vs_outcome_2x4_ci"] = percentile_interval(b["noise_to_signal"] / boot[base]["noise_to_signal"])
+        r["mean_cos_ci"] = percentile_interval(b["mean_cos"])
+        r["mean_cos_vs_outcome_2x4_ci"] = percentile_interval(b["mean_cos"] - boot[base]["mean_cos"])
     return rows
+
+
+def block_bootstrap(grams: Sequence[tuple[torch.Tensor, torch.Tensor]], batches_per_block: int, resamples: int,
+                    seed: int = 0) -> list[dict]:
+    """Resampled statistics of each row's batch gradients g_1..g_B, from their Gram matrix K = [⟨g_a, g_b⟩] and
+    projections p = [⟨g_b, û*⟩] alone: a resample weights batch b by w_b (Σ w = B), so ḡ = Σ w_b g_b / B,
+    ⟨ḡ, û*⟩ = w·p / B, ‖ḡ‖² = wᵀKw / B², and the spread Σ w_b ‖g_b‖² / B − ‖ḡ‖² (probe_stats' tr Cov at w = 1).
+    The weights come from resampling blocks of consecutive batches, the same draw for every row: a block of
+    probe_batches' 2 × 4 batches and the block of 8 × 1 batches at the same index hold the same questions (8
+    questions, all their samples, at the probe's sizes), so the resample is one over questions, paired across
+    schemes and compositions (intervals of differences and ratios carry the common random numbers)."""
+    B = len(grams[0][1])
+    blocks = B // batches_per_block
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, blocks, (resamples, blocks), generator=g)
+    counts = torch.zeros(resamples, blocks, dtype=torch.float64).scatter_add_(1, picks, torch.ones_like(picks,
+                                                                                                     dtype=torch.float64))
+    W = counts.repeat_interleave(batches_per_block, dim=1)                 # (resamples, B)
+    out = []
+    for K, p in grams:
+        along = W @ p / B
+        msq = ((W @ K) * W).sum(1) / B ** 2
+        spread = W @ torch.diagonal(K) / B - msq
+        out.append({"noise_to_signal": spread / along ** 2, "mean_cos": along / msq.clamp_min(1e-300).sqrt()})
+    return out
+
+
+def percentile_interval(x: torch.Tensor) -> list[float]:
+    return [float(torch.quantile(x, 0.025)), float(torch.quantile(x, 0.975))]
+
+
+def favoured(rows: Sequence[dict], factor: float = 1.5) -> list[str]:
+    """Issue 53's rule for an RL check: the schemes whose batch gradient at 8 × 1 has a noise-to-signal at least
+    `factor` times below outcome RL's at 2 × 4 over its whole interval (upper end ≤ 1/factor) at equal bias —
+    read as: the cosine of its mean gradient with g* not below outcome 2 × 4's beyond the paired interval (an
+    unbiased scheme with less noise has a mean gradient at least as close to g*; a bias shows as a lower one)."""
+    return [r["scheme"] for r in rows if r["composition"] == "8x1" and r["scheme"] != "outcome"
+            and r["variance_vs_outcome_2x4_ci"][1] <= 1 / factor and r["mean_cos_vs_outcome_2x4_ci"][1] >= 0]
 
 
 def probe(argv: Sequence[str], points: Sequence[str], seed: int) -> Path:
@@ -369,7 +415,8 @@ def probe(argv: Sequence[str], points: Sequence[str], seed: int) -> Path:
                  "held": {"trajectories": len(held), "questions": n, "mean_R": sum(t.reward for t in held) / len(held),
                           "nonzero_advantage": sum(a != 0 for a in loo_advantages(held))},
                  "gstar_halves_cos": float(F_cos(gstar["halves"][0], gstar["halves"][1])),
-                 "sketch": json.loads((folder / "sketch.json").read_text()), "seconds": seconds, "rows": rows}
+                 "sketch": json.loads((folder / "sketch.json").read_text()), "seconds": seconds, "rows": rows,
+                 "favoured": favoured(rows)}
         env.write_json(folder / "probe.json", facts)
         print(probe_markdown(facts))
     return out
@@ -380,13 +427,18 @@ def probe_markdown(facts: dict) -> str:
              f"trajectories of {facts['pool']['questions']} questions (mean R {facts['pool']['mean_R']:.2f}); g* from "
              f"{facts['held']['trajectories']} ({facts['held']['nonzero_advantage']} with a non-zero advantage); "
              f"cos(g* halves) {facts['gstar_halves_cos']:.2f}", "",
-             "| scheme | batch | cos(g_B, g*) | tr Cov / ⟨ḡ, ĝ*⟩² | vs outcome 2×4 | cos(ḡ, g*) | ḡ ⟂ g* |",
-             "|---|---|---|---|---|---|---|"]
+             "| scheme | batch | cos(g_B, g*) | tr Cov / ⟨ḡ, ĝ*⟩² | vs outcome 2×4 | cos(ḡ, g*) | vs outcome 2×4 | ḡ ⟂ g* |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in facts["rows"]:
         nts = "–" if r["noise_to_signal"] is None else f"{r['noise_to_signal']:.0f}"
         rel = "–" if r["variance_vs_outcome_2x4"] is None else f"{r['variance_vs_outcome_2x4']:.2f}"
+        lo, hi = r["variance_vs_outcome_2x4_ci"]
+        dlo, dhi = r["mean_cos_vs_outcome_2x4_ci"]
         lines.append(f"| {r['scheme']} | {r['composition']} | {r['cos_mean']:.3f} ± {r['cos_ci95']:.3f} | {nts} | "
-                     f"{rel} | {r['mean_cos']:.2f} | {fmt(r['orthogonal_share'])} |")
+                     f"{rel} [{lo:.2f}, {hi:.2f}] | {r['mean_cos']:.2f} | [{dlo:+.2f}, {dhi:+.2f}] | "
+                     f"{fmt(r['orthogonal_share'])} |")
+    lines += ["", "favoured at 8 × 1 (≥ 1.5× less noise than outcome 2 × 4 at equal bias): "
+              + (", ".join(facts["favoured"]) or "none")]
     return "\n".join(lines) + "\n"
 
 

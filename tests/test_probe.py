@@ -1,5 +1,6 @@
 """Tests of the gradient probe (probe.py probe, issue 53): the count sketch keeps cosines, the batches and the
-schemes' advantages by hand, the Monte-Carlo value baseline by hand, and on a tiny model the per-step gradients
+schemes' advantages by hand, the Monte-Carlo value baseline by hand, the paired block bootstrap and the RL
+check's rule by hand, the table on a synthetic pool, and on a tiny model the per-step gradients
 summed with the held-out pool's advantages give the g* that true_gradient's packed passes compute."""
 import pytest
 import torch
@@ -118,3 +119,65 @@ def test_per_step_gradients_add_up_to_the_packed_true_gradient(tiny_dir, tmp_pat
     got = probe.true_gradient(pi, trajs, sketch, args, tmp_path / "gstar.pt")
     for h in (0, 1):
         torch.testing.assert_close(got["halves"][h], want[h], rtol=1e-3, atol=1e-5)
+
+
+def test_block_bootstrap_by_hand():
+    """Four batch gradients in two blocks of two, û* = e₁. The three possible resamples, by hand:
+    blocks (1, 1): ḡ = (1, ½), spread = (1 + 1 + 1 + 5)/4 − 5/4 = ¾, along 1 → noise-to-signal ¾, cos(ḡ, g*) 2/√5;
+    block 1 twice: ḡ = (1, 0), spread 0, cos 1; block 2 twice: ḡ = (1, 1), spread 3 − 2 = 1, cos 1/√2.
+    A second row (2× the gradients) has the same statistics on every draw: the draw is shared (paired)."""
+    G = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [2.0, 1.0]], dtype=torch.float64)
+    u = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    rows = [(G @ G.T, G @ u), ((2 * G) @ (2 * G).T, (2 * G) @ u)]
+    boot = probe.block_bootstrap(rows, batches_per_block=2, resamples=400)
+    hand = {(0.75, round(2 / 5 ** 0.5, 6)), (0.0, 1.0), (1.0, round(1 / 2 ** 0.5, 6))}
+    seen = {(round(float(a), 6), round(float(c), 6)) for a, c in zip(boot[0]["noise_to_signal"], boot[0]["mean_cos"])}
+    assert seen == hand
+    torch.testing.assert_close(boot[1]["noise_to_signal"], boot[0]["noise_to_signal"])
+    torch.testing.assert_close(boot[1]["mean_cos"], boot[0]["mean_cos"])
+
+
+def test_favoured_by_hand():
+    """The RL check's rule: at 8 × 1, noise-to-signal ≥ 1.5× below outcome 2 × 4's over its whole interval, and
+    the mean gradient's cosine with g* not below outcome 2 × 4's beyond the paired interval."""
+    def row(scheme, comp, ratio_hi, dcos_hi):
+        return {"scheme": scheme, "composition": comp, "variance_vs_outcome_2x4_ci": [0.1, ratio_hi],
+                "mean_cos_vs_outcome_2x4_ci": [-0.2, dcos_hi]}
+    rows = [row("outcome", "2x4", 1.2, 0.0), row("outcome", "8x1", 0.5, 0.1),      # outcome itself: never
+            row("value", "2x4", 0.3, 0.1),                                          # 2 × 4: not the regime asked
+            row("value", "8x1", 0.66, 0.05),                                        # 0.66 ≤ 1/1.5: favoured
+            row("causal eq4", "8x1", 0.7, 0.05),                                    # 0.7 > 1/1.5: not enough
+            row("warmup eq4", "8x1", 0.4, -0.01)]                                   # closer to g* less: biased
+    assert probe.favoured(rows) == ["value"]
+
+
+def test_probe_stats_and_its_table_on_a_synthetic_pool():
+    """16 questions × 4 scripted samples, random per-step gradients and a g* built as the outcome gradient of the
+    pool plus noise: every scheme × composition gets a row; outcome at 2 × 4 is the reference (ratio 1, paired
+    interval [1, 1], cosine difference [0, 0]); every interval is ordered and inside [−1, 1]; the table prints
+    one line per row and the favoured list."""
+    g = torch.Generator().manual_seed(1)
+    qs = env.synthetic_examples(16)
+    plans = [["Search[a]", "Finish[x]"], ["Finish[y]"], ["Search[a]", "Search[b]", "Finish[x]"], ["Finish[z]"]]
+    trajs = [Script.make(q, plans[(i + k) % 4], float((i * 3 + k) % 5 < 2)) for i, q in enumerate(qs) for k in range(4)]
+    offsets = [r.start for r in env.step_ranges(trajs)]
+    grads = torch.randn(sum(len(t.steps) for t in trajs), 64, generator=g)
+    A = probe.loo_advantages(trajs)
+    true = sum(A[i] * grads[offsets[i]:offsets[i] + len(t.steps)].sum(0) for i, t in enumerate(trajs)) / len(trajs)
+    gstar = {"g": true + 0.1 * torch.randn(64, generator=g)}
+    scores = {"causal": [[t.reward / len(t.steps)] * len(t.steps) for t in trajs]}
+    schemes = ["outcome", "value", "causal eq4", "causal state"]
+    rows = probe.probe_stats(grads, offsets, trajs, scores, probe.mc_values(trajs), gstar, schemes, 16, 4, 0.5, True,
+                             resamples=300)
+    assert [(r["scheme"], r["composition"]) for r in rows] == [(s, c) for c in ("2x4", "8x1") for s in schemes]
+    ref = rows[0]
+    assert ref["variance_vs_outcome_2x4"] == 1.0 and ref["variance_vs_outcome_2x4_ci"] == pytest.approx([1.0, 1.0])
+    assert ref["mean_cos_vs_outcome_2x4_ci"] == pytest.approx([0.0, 0.0], abs=1e-12)
+    for r in rows:
+        lo, hi = r["mean_cos_ci"]
+        assert lo <= hi and -1 <= lo and hi <= 1 and r["batches"] == 8
+    facts = {"point": "sft", "seed": 0, "pool": {"trajectories": 64, "questions": 16, "mean_R": 0.4},
+             "held": {"trajectories": 64, "nonzero_advantage": 60}, "gstar_halves_cos": 0.5, "rows": rows,
+             "favoured": probe.favoured(rows)}
+    table = probe.probe_markdown(facts)
+    assert table.count("\n| ") == len(rows) + 1 and "favoured at 8 × 1" in table
