@@ -281,8 +281,9 @@ def probe_stats(grads: torch.Tensor, offsets: list[int], trajs, scores, values, 
     """Per (scheme, composition): the cosine of each batch gradient with g* (mean and 95% interval over the
     batches), the batch gradients' spread relative to their component along g* (tr Cov / ⟨ḡ, ĝ*⟩²: lower is a
     better-conditioned step; also relative to outcome RL at 2 × 4), and the bias seen in the mean gradient
-    ḡ over all batches: its cosine with g*, and its component orthogonal to g*. The intervals of the last three
-    come from one paired bootstrap over blocks of questions (block_bootstrap)."""
+    ḡ over all batches: its cosine with g*, and its component orthogonal to g*. The intervals of the noise ratio,
+    of cos(ḡ, g*) and of its difference from outcome 2 × 4's come from one paired bootstrap over blocks of
+    questions (block_bootstrap)."""
     g = gstar["g"].double()
     u = g / g.norm()
     rows, grams = [], []
@@ -332,8 +333,7 @@ def block_bootstrap(grams: Sequence[tuple[torch.Tensor, torch.Tensor]], batches_
     blocks = B // batches_per_block
     g = torch.Generator().manual_seed(seed)
     picks = torch.randint(0, blocks, (resamples, blocks), generator=g)
-    counts = torch.zeros(resamples, blocks, dtype=torch.float64).scatter_add_(1, picks, torch.ones_like(picks,
-                                                                                                     dtype=torch.float64))
+    counts = torch.nn.functional.one_hot(picks, blocks).sum(1).double()   # (resamples, blocks): times drawn
     W = counts.repeat_interleave(batches_per_block, dim=1)                 # (resamples, B)
     out = []
     for K, p in grams:
