@@ -151,11 +151,18 @@ def test_favoured_by_hand():
     assert probe.favoured(rows) == ["value"]
 
 
-def test_probe_stats_and_its_table_on_a_synthetic_pool():
+def test_probe_stats_and_its_table_on_a_synthetic_pool(monkeypatch):
     """16 questions × 4 scripted samples, random per-step gradients and a g* built as the outcome gradient of the
     pool plus noise: every scheme × composition gets a row; outcome at 2 × 4 is the reference (ratio 1, paired
-    interval [1, 1], cosine difference [0, 0]); every interval is ordered and inside [−1, 1]; the table prints
-    one line per row and the favoured list."""
+    interval [1, 1], cosine difference [0, 0]); every interval is ordered and inside [−1, 1]; the bootstrap's
+    Gram form at unit weights (one block holding every batch) gives the rows' own noise-to-signal and cos(ḡ, g*),
+    computed directly from the batch gradients; the table prints one line per row and the favoured list."""
+    seen, bootstrap = [], probe.block_bootstrap
+
+    def recording(grams, *a, **k):                   # keeps the Gram matrices probe_stats hands the bootstrap
+        seen.append(grams)
+        return bootstrap(grams, *a, **k)
+    monkeypatch.setattr(probe, "block_bootstrap", recording)
     g = torch.Generator().manual_seed(1)
     qs = env.synthetic_examples(16)
     plans = [["Search[a]", "Finish[x]"], ["Finish[y]"], ["Search[a]", "Search[b]", "Finish[x]"], ["Finish[z]"]]
@@ -176,6 +183,10 @@ def test_probe_stats_and_its_table_on_a_synthetic_pool():
     for r in rows:
         lo, hi = r["mean_cos_ci"]
         assert lo <= hi and -1 <= lo and hi <= 1 and r["batches"] == 8
+    unit = bootstrap(seen[0], batches_per_block=8, resamples=1)
+    for r, b in zip(rows, unit, strict=True):
+        assert float(b["noise_to_signal"][0]) == pytest.approx(r["noise_to_signal"], rel=1e-9)
+        assert float(b["mean_cos"][0]) == pytest.approx(r["mean_cos"], rel=1e-9)
     facts = {"point": "sft", "seed": 0, "pool": {"trajectories": 64, "questions": 16, "mean_R": 0.4},
              "held": {"trajectories": 64, "nonzero_advantage": 60}, "gstar_halves_cos": 0.5, "rows": rows,
              "favoured": probe.favoured(rows)}
