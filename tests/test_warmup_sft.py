@@ -348,8 +348,8 @@ def test_check_criteria_items_keep_the_teacher_scores(tmp_path, retriever):
 
 def test_the_own_rubric_head_fit_reads_what_mu_writes(tiny_dir, tmp_path, retriever, monkeypatch):
     """The ladder's own-rubric head fit (fit_score_head's `rubrics`): the score head's pooled vectors come from
-    (q, h_t, a_t, r_t) with μ's own greedy r_t, not the teacher's criteria; by hand on the tiny model: the fitted head's error is the one computed here on
-    μ.pooled over μ's own rubrics."""
+    (q, h_t, a_t, r_t) with μ's own greedy r_t, not the teacher's criteria; by hand on the tiny model: the fitted
+    head's error is the one computed here on μ.pooled over μ's own rubrics."""
     examples = env.load_split("synthetic", "train", size=2, seed=0)
     warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=2, K=3, progress=False)
     items = warmup.rubric_sft_examples(warmup.filter_records(env.read_jsonl(tmp_path / "records.jsonl"), 3)[0])[:6]
