@@ -763,7 +763,14 @@ def rollout(examples: Sequence[Example], act: Callable[[list[list[dict]]], list]
     trajectory's seed and the round: each trajectory then samples from its own random stream.
     """
     trajs = [Trajectory(ex, max_searches or DEFAULT_MAX_SEARCHES.get(ex.dataset, 3)) for ex in examples]
-    rounds = max(t.max_searches for t in trajs) + 1 if trajs else 0
+    return play(trajs, act, retriever, obs_chars, progress, seeds)
+
+
+def play(trajs: Sequence[Trajectory], act: Callable[[list[list[dict]]], list], retriever, obs_chars: int = 400,
+         progress: bool = False, seeds: Sequence[int] | None = None) -> list[Trajectory]:
+    """rollout's loop: every trajectory, fresh or holding a prefix h_t of steps already taken, played on to its
+    end in lockstep (the rules are rollout's; a prefix is continued as if π had written it)."""
+    rounds = max(t.max_searches + 1 - len(t.steps) for t in trajs) if trajs else 0
     bar = None
     if progress:
         from tqdm import tqdm

@@ -2,6 +2,8 @@
 schemes' advantages by hand, the Monte-Carlo value baseline by hand, the paired block bootstrap and the RL
 check's rule by hand, the table on a synthetic pool, and on a tiny model the per-step gradients
 summed with the held-out pool's advantages give the g* that true_gradient's packed passes compute."""
+import math
+
 import pytest
 import torch
 
@@ -135,6 +137,11 @@ def test_block_bootstrap_by_hand():
     assert seen == hand
     torch.testing.assert_close(boot[1]["noise_to_signal"], boot[0]["noise_to_signal"])
     torch.testing.assert_close(boot[1]["mean_cos"], boot[0]["mean_cos"])
+    # At unit weights, de-noised: block means (1, 0), (1, 1); their spread (1 + 2)/2 − ‖ḡ‖² = ¼ over (2 − 1) blocks
+    # leaves ‖E g‖² = 5/4 − ¼ = 1, and cos(E g, û*) = ⟨ḡ, û*⟩ / 1 = 1; a noise of ½ per batch removed: spread ¾ − ½.
+    one = probe.gram_stats(*rows[0], torch.full((4,), 0.5, dtype=torch.float64), torch.ones(1, 4, dtype=torch.float64), 2)
+    assert float(one["expected_sq"][0]) == pytest.approx(1.0) and float(one["mean_cos_denoised"][0]) == pytest.approx(1.0)
+    assert float(one["noise_to_signal_clean"][0]) == pytest.approx(0.25)
 
 
 def test_favoured_by_hand():
@@ -151,18 +158,12 @@ def test_favoured_by_hand():
     assert probe.favoured(rows) == ["value"]
 
 
-def test_probe_stats_and_its_table_on_a_synthetic_pool(monkeypatch):
+def test_probe_stats_and_its_table_on_a_synthetic_pool():
     """16 questions × 4 scripted samples, random per-step gradients and a g* built as the outcome gradient of the
     pool plus noise: every scheme × composition gets a row; outcome at 2 × 4 is the reference (ratio 1, paired
-    interval [1, 1], cosine difference [0, 0]); every interval is ordered and inside [−1, 1]; the bootstrap's
-    Gram form at unit weights (one block holding every batch) gives the rows' own noise-to-signal and cos(ḡ, g*),
-    computed directly from the batch gradients; the table prints one line per row and the favoured list."""
-    seen, bootstrap = [], probe.block_bootstrap
-
-    def recording(grams, *a, **k):                   # keeps the Gram matrices probe_stats hands the bootstrap
-        seen.append(grams)
-        return bootstrap(grams, *a, **k)
-    monkeypatch.setattr(probe, "block_bootstrap", recording)
+    interval [1, 1], cosine difference [0, 0]); every interval is ordered and inside [−1, 1]; gram_stats' Gram form
+    gives the noise-to-signal and cos(ḡ, g*) computed directly from the batch gradients; the pairs' de-noised
+    cosines are cosines (or NaN: with 2 blocks here there may be no signal left); the table prints one line per row and the favoured list."""
     g = torch.Generator().manual_seed(1)
     qs = env.synthetic_examples(16)
     plans = [["Search[a]", "Finish[x]"], ["Finish[y]"], ["Search[a]", "Search[b]", "Finish[x]"], ["Finish[z]"]]
@@ -173,22 +174,225 @@ def test_probe_stats_and_its_table_on_a_synthetic_pool(monkeypatch):
     true = sum(A[i] * grads[offsets[i]:offsets[i] + len(t.steps)].sum(0) for i, t in enumerate(trajs)) / len(trajs)
     gstar = {"g": true + 0.1 * torch.randn(64, generator=g)}
     scores = {"causal": [[t.reward / len(t.steps)] * len(t.steps) for t in trajs]}
-    schemes = ["outcome", "value", "causal eq4", "causal state"]
-    rows = probe.probe_stats(grads, offsets, trajs, scores, probe.mc_values(trajs), gstar, schemes, 16, 4, 0.5, True,
-                             resamples=300)
+    schemes = ["outcome", "value", "causal eq4", "causal state", "verdict causal", "branch value", "branch critic"]
+    values = probe.mc_values(trajs)
+    noisy = [[[v + 0.1 * float(torch.randn(1, generator=g)) for v in row] for row in values] for _ in "ab"]
+    branch = {h: [{"V": V, "Q": V[1:] + [t.reward]} for V, t in zip(Vs, trajs)]
+              for h, Vs in (("a", noisy[0]), ("b", noisy[1]),
+                            ("full", [[(x + y) / 2 for x, y in zip(*rows)] for rows in zip(*noisy)]))}
+    rows = probe.probe_stats(grads, offsets, trajs, scores, values, gstar, schemes, 16, 4, 0.5, True,
+                             resamples=300, branch=branch, pairs=[("outcome", "outcome"), ("value", "outcome")])
     assert [(r["scheme"], r["composition"]) for r in rows] == [(s, c) for c in ("2x4", "8x1") for s in schemes]
     ref = rows[0]
     assert ref["variance_vs_outcome_2x4"] == 1.0 and ref["variance_vs_outcome_2x4_ci"] == pytest.approx([1.0, 1.0])
     assert ref["mean_cos_vs_outcome_2x4_ci"] == pytest.approx([0.0, 0.0], abs=1e-12)
     for r in rows:
-        lo, hi = r["mean_cos_ci"]
-        assert lo <= hi and -1 <= lo and hi <= 1 and r["batches"] == 8
-    unit = bootstrap(seen[0], batches_per_block=8, resamples=1)
-    for r, b in zip(rows, unit, strict=True):
-        assert float(b["noise_to_signal"][0]) == pytest.approx(r["noise_to_signal"], rel=1e-9)
-        assert float(b["mean_cos"][0]) == pytest.approx(r["mean_cos"], rel=1e-9)
+        for lo, hi in (r["mean_cos_ci"], r["mean_cos_denoised_ci"]):
+            assert lo <= hi and -1 <= lo and hi <= 1 and r["batches"] == 8
+        batches = probe.probe_batches(16, 4, r["composition"])
+        common = (batches, grads, offsets, r["composition"], trajs, scores, values, 0.5, True)
+        gb = probe.batch_gradients(r["scheme"], *common, branch=branch["full"])
+        mean, u = gb.mean(0), gstar["g"].double() / gstar["g"].double().norm()
+        spread = float(((gb - mean) ** 2).sum(1).mean())
+        assert r["noise_to_signal"] == pytest.approx(spread / float(mean @ u) ** 2, rel=1e-9)
+        assert r["mean_cos"] == pytest.approx(float(probe.F_cos(mean, gstar["g"])), rel=1e-9)
+        if r["scheme"].startswith("branch"):       # V̂'s noise: ‖g^a − g^b‖²/4 a batch, its mean off the spread
+            ga, gb2 = (probe.batch_gradients(r["scheme"], *common, branch=branch[h]) for h in "ab")
+            noise = float(((ga - gb2) ** 2).sum(1).mean()) / 4
+            assert r["noise_to_signal_clean"] == pytest.approx((spread - noise) / float(mean @ u) ** 2, rel=1e-9)
+        else:
+            assert r["noise_to_signal_clean"] is None
+    for r in rows[:2] + rows[len(schemes):len(schemes) + 2]:           # outcome and value, both compositions
+        (y, (point, (lo, hi))), = r["expected_cos"].items()
+        assert y == "outcome" and (math.isnan(point) or (-1 <= point <= 1 and lo <= hi))
     facts = {"point": "sft", "seed": 0, "pool": {"trajectories": 64, "questions": 16, "mean_R": 0.4},
              "held": {"trajectories": 64, "nonzero_advantage": 60}, "gstar_halves_cos": 0.5, "rows": rows,
              "favoured": probe.favoured(rows)}
     table = probe.probe_markdown(facts)
-    assert table.count("\n| ") == len(rows) + 1 and "favoured at 8 × 1" in table
+    assert table.count("\n| ") == len(rows) + 1 and "favoured at 8 × 1" in table and "value vs outcome (2x4)" in table
+
+
+# --- issue 60: the branched rollouts and the de-noised statistics --------------------------------------------------
+
+class Titles:
+    """A retriever that returns the paragraph whose title the query names (else the first)."""
+
+    @staticmethod
+    def retrieve(examples, queries):
+        return [next((k for k, (title, _) in enumerate(ex.paragraphs) if title == q), 0) for ex, q in zip(examples, queries)]
+
+
+def world_policy(example, stochastic: bool):
+    """A scripted π on one synthetic question (hop1: the first supporting paragraph's title, distractor: another):
+    with the hop1 paragraph in its history it finishes, with the gold answer (stochastic: with probability 0.8,
+    else a wrong one); otherwise, with fewer than two searches made, it searches hop1 (stochastic: with probability
+    ½, else the distractor; deterministic: always hop1, but after a distractor it finishes wrong); with two
+    searches and no hop1, it finishes wrong. Each prompt's draw comes from its own seed (as π's streams)."""
+    import random
+    hop1 = example.paragraphs[example.supporting[0]][0]
+    distractor = next(t for k, (t, _) in enumerate(example.paragraphs) if k not in example.supporting)
+
+    def act(prompts, seeds):
+        out = []
+        for messages, seed in zip(prompts, seeds):
+            history = messages[-1]["content"]
+            r = random.Random(seed).random()
+            searches = history.count(": Search[")
+            if f"Observation: {hop1}:" in history:
+                out.append(f"Finish[{example.answer}]" if not stochastic or r < 0.8 else "Finish[nobody]")
+            elif searches < 2 and (stochastic or distractor not in history):
+                out.append(f"Search[{hop1}]" if not stochastic or r < 0.5 else f"Search[{distractor}]")
+            else:
+                out.append("Finish[nobody]")
+        return out
+    return act, hop1, distractor
+
+
+def played(example, actions):
+    """A trajectory of the given actions, played through env (its observations, budget and reward as rollout's)."""
+    it = iter(actions)
+    return env.rollout([example], lambda prompts, seeds=None: [next(it) for _ in prompts], Titles, max_searches=3,
+                       obs_chars=300)[0]
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_branched_values_equal_their_values_by_enumeration(monkeypatch, tmp_path, stochastic):
+    """One question, a trajectory π would not have played: Search[distractor], Search[hop1], Finish[gold] (R 1).
+    Deterministic π (world_policy): from h_0 it searches hop1 and finishes right, V 1; from h_1 (a distractor
+    searched) it finishes wrong, V 0; from h_2 (hop1 found) it finishes right, V 1. So V̂ = (1, 0, 1),
+    Q̂ = V̂(h_{t+1}) = (0, 1, R = 1), exactly, with any number of continuations. Stochastic π: with hop1
+    found the answer is right w.p. 0.8; from h_2 V = 0.8; from h_1: ½ hop1 (0.8), ½ the distractor again (then
+    two searches, wrong: 0) → 0.4; from h_0: ½ hop1 (0.8), ½ the distractor (then h_1's 0.4) → 0.6. So V̂ ≈
+    (0.6, 0.4, 0.8), Q̂ ≈ (0.4, 0.8, 1) from 400 continuations each (3σ ≤ 0.075). The halves average to the whole."""
+    q = env.synthetic_examples(1)[0]
+    act, hop1, distractor = world_policy(q, stochastic)
+    monkeypatch.setattr(probe.rubric_model, "policy_act", lambda pi, *a: act)
+    monkeypatch.setattr(probe.env, "shared_retriever", lambda *a: Titles)
+    n = 400 if stochastic else 4
+    monkeypatch.setattr(probe, "BRANCH", dict(questions=1, continuations=n, root=n, chunk=2))
+    monkeypatch.setattr(probe, "PROBE", {**probe.PROBE, "samples": 1})
+    t = played(q, [f"Search[{distractor}]", f"Search[{hop1}]", f"Finish[{q.answer}]"])
+    assert [st.valid for st in t.steps] == [True, True, True] and t.reward == 1.0
+    args = arco.resolve_args(arco.Args(dataset="synthetic"))
+    done = probe.branch_rollouts(None, [t], args, tmp_path / "branches.jsonl", 0, "fp")
+    assert sorted(done) == [(0, 0), (0, 1), (0, 2)] and all(len(r) == n for r in done.values())
+    values = probe.branch_values([t], done, 1, 1)
+    V, Q = values["full"][0]["V"], values["full"][0]["Q"]
+    if stochastic:
+        assert V == pytest.approx([0.6, 0.4, 0.8], abs=0.075) and Q == pytest.approx([0.4, 0.8, 1.0], abs=0.075)
+        assert 0 < min(V) and max(V) < 1                      # each continuation its own stream
+    else:
+        assert V == [1.0, 0.0, 1.0] and Q == [0.0, 1.0, 1.0]
+    assert Q[:-1] == V[1:] and Q[-1] == t.reward
+    for k in range(3):
+        assert (values["a"][0]["V"][k] + values["b"][0]["V"][k]) / 2 == pytest.approx(V[k])
+    again = probe.branch_rollouts(None, [t], args, tmp_path / "branches.jsonl", 0, "fp")   # resumed: nothing new
+    assert again == done and len(env.read_jsonl(tmp_path / "branches.jsonl")) == 3
+    with pytest.raises(env.DataError, match="another pool"):
+        probe.branch_rollouts(None, [t], args, tmp_path / "branches.jsonl", 0, "other")
+    adv = {name: probe.scheme_advantages(name, [0], [t], {}, None, "8x1", 0.5, True, values["full"])[0]
+           for name in ("branch value", "branch critic")}
+    assert adv["branch value"] == pytest.approx([1 - v for v in V]) and \
+        adv["branch critic"] == pytest.approx([a - b for a, b in zip(Q, V)])
+
+
+def noisy_batches(mean, B, per_block, batch_sd, block_sd, seed, V_noise=0.0):
+    """B batch gradients g_b = mean + a block's shared part (sd block_sd, like 8 × 1 batches that share their
+    questions) + the batch's own (sd batch_sd), and, with V_noise, V̂'s sampling noise in two halves a, b:
+    g_b^a = … + v_b^a, g_b^b = … + v_b^b, the full estimate carrying their mean."""
+    g = torch.Generator().manual_seed(seed)
+    d = len(mean)
+    blocks = torch.randn(B // per_block, d, generator=g, dtype=torch.float64).repeat_interleave(per_block, 0) * block_sd
+    own = torch.randn(B, d, generator=g, dtype=torch.float64) * batch_sd
+    va, vb = (torch.randn(B, d, generator=g, dtype=torch.float64) * V_noise for _ in "ab")
+    core = mean + blocks + own
+    return core + (va + vb) / 2, core + va, core + vb, core
+
+
+def test_the_de_noised_cosine_recovers_a_known_mean_from_noisy_draws():
+    """64 batch gradients of a known mean m (‖m‖ = 1, cos(m, û) = 0.6) with 32× its energy in noise, 12 of it shared
+    by the 4 batches of a block (as 8 × 1 batches share questions): cos(ḡ, û) is pulled below 0.5, the de-noised
+    cos(E g_B, û) recovers 0.6 (within 0.15, 3σ of ⟨ḡ, û⟩'s own noise, on each of 5 draws; their mean within 0.07),
+    and ‖E g_B‖² ≈ ‖m‖²; a batch-level de-noising
+    (spread / (B − 1), blocks of one) under-corrects when batches share blocks. V̂'s noise: with two halves
+    a, b, the noise energy ‖g^a − g^b‖²/4 removed from the spread gives back the spread of the same batches without
+    it, within 10%."""
+    d = 400
+    u = torch.zeros(d, dtype=torch.float64)
+    u[0] = 1.0
+    m = torch.zeros(d, dtype=torch.float64)
+    m[0], m[1] = 0.6, 0.8                                    # ‖m‖ = 1, cos(m, û) = 0.6
+    one = torch.ones(1, 64, dtype=torch.float64)
+    found = []
+    for seed in range(5):
+        g, _, _, _ = noisy_batches(m, 64, 4, batch_sd=(20 / d) ** 0.5, block_sd=(12 / d) ** 0.5, seed=seed)
+        st = {k: float(v[0]) for k, v in probe.gram_stats(g @ g.T, g @ u, torch.zeros(64, dtype=torch.float64), one,
+                                                          4).items()}
+        assert st["mean_cos"] < 0.5
+        assert st["mean_cos_denoised"] == pytest.approx(0.6, abs=0.15)
+        found.append(st["mean_cos_denoised"])
+        assert st["expected_sq"] == pytest.approx(1.0, abs=0.35)
+        batch_level = probe.gram_stats(g @ g.T, g @ u, torch.zeros(64, dtype=torch.float64), one, 1)
+        assert float(batch_level["mean_cos_denoised"][0]) < st["mean_cos_denoised"] - 0.03
+    assert sum(found) / len(found) == pytest.approx(0.6, abs=0.07)
+    g, ga, gb, core = noisy_batches(m, 64, 4, batch_sd=0.3, block_sd=0.0, seed=7, V_noise=0.5)
+    noise = ((ga - gb) ** 2).sum(1) / 4
+    with_v = probe.gram_stats(g @ g.T, g @ u, noise, one, 4)
+    without = probe.gram_stats(core @ core.T, core @ u, torch.zeros(64, dtype=torch.float64), one, 4)
+    spread = {k: float(v["spread"][0]) for k, v in (("with", with_v), ("without", without))}
+    assert spread["with"] > 1.5 * spread["without"]
+    clean = float(with_v["noise_to_signal_clean"][0]) * float(with_v["along"][0]) ** 2   # the spread left
+    assert clean == pytest.approx(spread["without"], rel=0.1)
+
+
+def test_expected_cos_of_two_schemes_with_the_same_mean_is_1_and_differs_otherwise():
+    """Two noisy schemes around the same mean (independent noise): de-noised cos(E g^X, E g^Y) ≈ 1 while cos(ḡ^X, ḡ^Y)
+    is well below; around orthogonal means ≈ 0."""
+    d = 300
+    m = torch.zeros(d, dtype=torch.float64)
+    m[0] = 1.0
+    w = torch.zeros(d, dtype=torch.float64)
+    w[1] = 1.0
+    one = torch.ones(1, 64, dtype=torch.float64)
+    gx = noisy_batches(m, 64, 4, 0.35, 0.0, seed=1)[0]
+    gy = noisy_batches(m, 64, 4, 0.35, 0.0, seed=2)[0]
+    gz = noisy_batches(w, 64, 4, 0.35, 0.0, seed=3)[0]
+    assert float(probe.F_cos(gx.mean(0), gy.mean(0))) < 0.8
+    assert float(probe.expected_cos(gx, gy, one, 4)[0]) == pytest.approx(1.0, abs=0.15)
+    assert float(probe.expected_cos(gx, gz, one, 4)[0]) == pytest.approx(0.0, abs=0.15)
+
+
+def test_score_drift_and_gstar_attenuation_by_hand():
+    """g*'s halves (3, 0) and (1, 2): ⟨h₁, h₂⟩ = 3, g = (2, 1), so √3/√5 is its attenuation. Per-step gradients of
+    two questions × 2 samples whose trajectory sums average (1, 0) in both questions with a spread of their own:
+    the drift's de-noised square is ‖(1, 0)‖² − spread/(2 − 1), here 1 − 0 (the question means agree)."""
+    gstar = {"g": torch.tensor([2.0, 1.0]), "halves": torch.tensor([[3.0, 0.0], [1.0, 2.0]])}
+    a = probe.gstar_attenuation(gstar)
+    assert a["attenuation"] == pytest.approx(3 ** 0.5 / 5 ** 0.5) and a["signal_norm"] == pytest.approx(3 ** 0.5)
+    q = env.synthetic_examples(2)
+    trajs = [Script.make(q[0], ["Search[a]", "Finish[x]"], 1.0), Script.make(q[0], ["Finish[x]"], 0.0),
+             Script.make(q[1], ["Finish[y]"], 1.0), Script.make(q[1], ["Search[b]", "Finish[y]"], 0.0)]
+    grads = torch.tensor([[0.5, 1.0], [0.5, 0.0], [1.0, -1.0], [2.0, 0.0], [-0.5, 0.0], [0.5, 0.0]])
+    offsets = [r.start for r in env.step_ranges(trajs)]     # sums: (1, 1), (1, −1), (2, 0), (0, 0)
+    d = probe.score_drift(grads, offsets, trajs, 2, gstar)
+    assert d["drift_sq"] == pytest.approx(1.0) and d["ratio"] == pytest.approx(1 / 3 ** 0.5)
+    assert d["bias_at_mean_R"] == pytest.approx(0.5 / 3 ** 0.5)
+
+
+def test_a_stage_of_another_pool_is_refused(tmp_path):
+    """A cached stage keeps the fingerprint of the pool it was computed on; another pool's is refused, naming the
+    file, before anything is computed; a μ-score file whose count is not the pool's steps is refused too."""
+    q = env.synthetic_examples(1)[0]
+    trajs = [Script.make(q, ["Search[a]", "Finish[x]"], 1.0)]
+    torch.save({"trajectories": 1, "rows": [torch.zeros(4)] * 2, "fingerprint": "aaaa"}, tmp_path / "grads.pt")
+    dummy = type("Pi", (), {"model": torch.nn.Linear(1, 1)})()
+    with pytest.raises(env.DataError, match="grads.pt was computed on another pool"):
+        probe.step_gradients(dummy, trajs, probe.Sketch([torch.nn.Parameter(torch.zeros(2))], 4), tmp_path / "grads.pt",
+                             tmp_path / "sketch.json", fingerprint="bbbb")
+    assert probe.step_gradients(dummy, trajs, None, tmp_path / "grads.pt", tmp_path / "sketch.json",
+                                fingerprint="aaaa").shape == (2, 4)
+    torch.save({"trajectories": 1, "s": torch.zeros(3), "fingerprint": "aaaa"}, tmp_path / "mu.pt")
+    with pytest.raises(env.DataError, match="3 step scores, the pool 2 steps"):
+        probe.probe_mu_scores(tmp_path / "mu", trajs, None, tmp_path / "mu.pt", "aaaa")
+    rows = [probe.traj_row(t, "pi-1") for t in trajs]
+    assert probe.pool_id(rows) != probe.pool_id([{**rows[0], "pi": "pi-2"}])
