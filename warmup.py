@@ -1,14 +1,16 @@
 """Supervised warmup of ARCO: teacher trajectories and rubrics, Eq. 6's projection, π SFT and μ SFT (Eq. 7).
 
-Paper: §3.2 ("a closed-source LLM teacher collects trajectories and step rubrics ... π is SFT-
-initialized on the trajectories, μ by a text-LM loss on the criteria plus an MSE on projected
-criterion scores") and Appendix B (warmup details, Eq. 6 and Eq. 7). The teachers themselves (the
-offline oracle, π_sft played and the oracle annotating, an OpenAI-compatible model) are in teachers.py.
+Paper: §3.2 ("a closed-source LLM teacher collects trajectories and step rubrics ... π is SFT-initialized on the
+trajectories, μ by a text-LM loss on the criteria plus an MSE on projected criterion scores") and Appendix B
+(warmup details, Eq. 6 and Eq. 7).
 
-Top to bottom: 1. Eq. 6, `project_scores`; 2. collection, one record per (question, sample) appended to
-`records.jsonl` as it finishes (a rerun resumes; another K's collection goes beside it); 3. filtering and the two
-SFT datasets (`policy_sft_examples`: π's exact RL prompt → the action; `rubric_sft_examples`: q, h_t, a_t, K
-criteria, K projected scores); 4. π SFT and μ SFT (Eq. 7) in batches of whole trajectories; 5. the warmup run.
+Top to bottom: 1. Eq. 6, `project_scores`; 2. the teacher protocol and collection: a teacher plays the warmup
+questions and annotates every step (`rollout`, `annotate`; the offline oracle, π_sft played with the oracle
+annotating, and an OpenAI-compatible model are infra/oracle.py's and infra/openai_teacher.py's), one record per
+(question, sample) appended to `records.jsonl` as it finishes (a rerun resumes); 3. filtering and the two SFT
+datasets (`policy_sft_examples`: π's exact RL prompt → the action; `rubric_sft_examples`: q, h_t, a_t, K criteria,
+K projected scores); 4. π SFT and μ SFT (Eq. 7) in batches of whole trajectories; 5. the warmup run, and what RL
+starts from (`ensure`). The warmup folder's names and checks are infra/warmups.py's.
 
     python warmup.py --dataset synthetic --warmup-size 200       # oracle teacher, offline
     python warmup.py --dataset hotpotqa --teacher openai         # needs OPENAI_API_KEY (and OPENAI_BASE_URL)
@@ -19,7 +21,6 @@ import dataclasses
 import json
 import math
 import random
-import re
 import sys
 import threading
 from collections import Counter
@@ -30,14 +31,20 @@ from typing import Callable, Sequence
 import torch
 
 import env
-import fast  # registers --engine fast
-from config import MEMORY, Settings, Split, fill_from_preset, main_guard, parse_args
-from rubric_model import (ModelLoadError, RubricModel, StepContext, add_lora, chat_prompt_ids, check_model_available,
-                          encode_response, load_backbone, load_backbone_checkpoint, merge_lora, policy_act,
-                          save_backbone, trainable_parameters, training_passes, write_atomically)
-from teachers import (LockedRetriever, OnPolicyTeacher, OpenAITeacher, OracleTeacher, TeacherError, clip_and_fit,
-                      evidence_found)
-
+from infra.data import DataError
+from infra.engines import loading
+from infra.files import check_intact, read_jsonl, scrub, write_atomically, write_json, write_jsonl
+from infra.memory import MEMORY
+from infra.models import (ModelLoadError, add_lora, check_model_available, load_backbone, load_backbone_checkpoint,
+                          merge_lora, save_backbone, trainable_parameters)
+from infra.openai_teacher import OpenAITeacher
+from infra.oracle import OnPolicyTeacher, OracleTeacher, evidence_found
+from infra.passes import chat_prompt_ids, encode_response, policy_act, training_passes
+from infra.settings import DATASETS, EMBEDDED_RETRIEVER, Settings, Split, fill_from_preset, main_guard, parse_args
+from infra.teachers import LockedRetriever, TeacherError, clip_and_fit
+from infra.warmups import (MU_SFT_SETTINGS, check_mu_settings, check_retriever, collection_suffix, eval_settings,
+                           mu_dir_name, warmup_folder)
+from rubric_model import RubricModel, StepContext
 
 @dataclass
 class Args(Settings, Split):
@@ -76,11 +83,6 @@ class Args(Settings, Split):
     def __post_init__(self):
         fill_from_preset(self)
         self.split = self.split or "train"
-
-
-def warmup_folder(args) -> Path:
-    """Where a warmup lives: --warmup-dir, else <out-dir>/<dataset>/warmup."""
-    return Path(args.warmup_dir or Path(args.out_dir) / args.dataset / "warmup")
 
 
 # ----------------------------------------------------------------------------------------
@@ -137,8 +139,20 @@ def project_scores(scores: Sequence[Sequence[float]], reward: float, tol: float 
 
 
 # ----------------------------------------------------------------------------------------
-# 2. Collection: records appended as they finish, resumable
+# 2. The teacher protocol and collection: records appended as they finish, resumable
 # ----------------------------------------------------------------------------------------
+
+def make_teacher(args: Args):
+    """The teacher of --teacher, given this environment to play in (env). Its protocol, as collect() calls it:
+    `rollout(pairs of (question, sample), retriever)` → the trajectories and a meta per trajectory, and
+    `annotate(trajectory, meta, K)` → K criteria and K scores per step and the issues met (App. B: the teacher
+    annotates whole trajectories; Eq. 6 then projects the scores, make_record)."""
+    if args.teacher == "oracle":
+        return OracleTeacher(env, seed=args.seed, obs_chars=args.obs_chars)
+    return OpenAITeacher(env, args.teacher_policy_model, args.teacher_rubric_model, args.teacher_temperature,
+                         args.max_retries, args.backoff, args.timeout, args.concurrency, args.policy_max_tokens,
+                         args.rubric_max_tokens, args.price_input, args.price_output, args.obs_chars)
+
 
 def make_record(ex: env.Example, sample: int, traj: env.Trajectory, meta: dict, criteria: list[list[str]],
                 raw_scores: list, issues: list[str], K: int, tol: float, teacher: str) -> dict:
@@ -195,7 +209,7 @@ def collect(examples: Sequence[env.Example], teacher, retriever, out_dir: str | 
     out_dir = Path(out_dir)
     ks = collection_suffix(K)
     path = out_dir / f"records{ks}.jsonl"
-    old = env.read_jsonl(path, repair=True)
+    old = read_jsonl(path, repair=True)
     for r in old:
         if r.get("K") != K or r.get("teacher") != teacher.name:
             raise ValueError(f"{path}: records were made with teacher={r.get('teacher')} K={r.get('K')}, this run uses "
@@ -212,13 +226,13 @@ def collect(examples: Sequence[env.Example], teacher, retriever, out_dir: str | 
 
     def write(rec: dict) -> None:
         with lock:
-            env.write_jsonl(path, [rec], append=True)
+            write_jsonl(path, [rec], append=True)
             counts["records"] += 1
             counts[f"reward_{rec['reward']:g}"] += 1
 
     def fail(rec: dict) -> None:
         with lock:
-            env.write_jsonl(out_dir / f"failures{ks}.jsonl", [rec], append=True)
+            write_jsonl(out_dir / f"failures{ks}.jsonl", [rec], append=True)
             counts[f"failed_{rec['stage']}"] += 1
 
     groups = [jobs[i:i + teacher.questions_per_call] for i in range(0, len(jobs), teacher.questions_per_call)]
@@ -574,42 +588,6 @@ def fit_score_head(mu, items: Sequence[dict], steps: int, lr: float, rubrics=Non
     return [before, after]
 
 
-def eval_settings(eval_size: int, seed: int, max_new_tokens: int, obs_chars: int, gen_batch: int) -> dict:
-    """What decides a greedy dev evaluation (with the policy): same settings, same trajectories."""
-    return {"eval_size": eval_size, "seed": seed, "max_new_tokens": max_new_tokens, "obs_chars": obs_chars,
-            "gen_batch": gen_batch}
-
-
-def collection_suffix(K: int) -> str:
-    """'' for K = 3, else '-k{K}': the suffix of a collection's files in a warmup folder (records, failures,
-    the two SFT sets, summary). Every criterion list of a collection has exactly K items, so a run with
-    another K collects its own annotations beside the first collection and still shares the folder's
-    π SFT, as its μ folder does (`mu_sft-k5`). §4.5 (RQ4) reuses the warmup trajectories and re-runs only
-    the annotation for each K: the oracle teacher does exactly that (its trajectories depend only on the
-    seed); the OpenAI teacher samples its trajectories again."""
-    return "" if K == 3 else f"-k{K}"
-
-
-
-
-def mu_dir_name(settings: dict) -> str:
-    """The folder of a warmup's μ, from a run's settings (asdict of the arguments, or a run's args.json):
-    `mu_sft` for ARCO's own μ (adaptive, K = 3, π's backbone, the teacher's trajectories), and one folder per
-    variant beside it (`mu_sft-none`, `mu_sft-k5`, `mu_sft-policy-q40`, ...), so that every run of the paper's
-    comparisons shares one collection and one π SFT. A setting missing from `settings` (a run made before it
-    existed) counts as its default."""
-    def get(key: str, default):
-        return default if settings.get(key) is None else settings[key]
-    suffix = "" if get("rubric", "adaptive") == "adaptive" else f"-{settings['rubric']}"
-    suffix += collection_suffix(get("k", 3))
-    mu_model, model = get("mu_model", ""), get("model", "embedded")
-    if mu_model and mu_model != model:
-        suffix += "-" + re.sub(r"[^A-Za-z0-9._-]+", "_", mu_model.strip("/").split("/")[-1])
-    if get("mu_data", "teacher") != "teacher":           # π_sft's rollouts: of how many questions
-        suffix += f"-{settings['mu_data']}-q{get('sft_questions_mu', 0) or 'all'}"
-    return "mu_sft" + suffix
-
-
 def train_pi(args: Args, out_dir: Path, pi_examples: Sequence[dict], retriever) -> dict:
     """π SFT (App. B) with its greedy dev evaluations (the base model first, with --eval-all), π_sft/ saved merged,
     the SFT-only evaluation kept for arco.py's epoch 0, the facts in metrics.json; a π_sft/ already there is kept."""
@@ -621,7 +599,7 @@ def train_pi(args: Args, out_dir: Path, pi_examples: Sequence[dict], retriever) 
     metrics: dict = {**old, "dataset": args.dataset, "dev_questions": len(dev)}
     settings = eval_settings(args.sft_eval_size or args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars,
                              args.gen_batch)
-    pi = load_backbone(args.model, device=args.device, dtype=args.dtype, autocast=args.autocast, engine=args.engine)
+    pi = load_backbone(args.model, **loading(args))
 
     def dev_eval(policy):
         with MEMORY.phase("dev evaluation"):
@@ -631,7 +609,7 @@ def train_pi(args: Args, out_dir: Path, pi_examples: Sequence[dict], retriever) 
         print(f"[warmup] evaluating the base policy ({args.model}) on {len(dev)} dev questions", flush=True)
         metrics["base"], _ = dev_eval(pi)
         metrics["base_settings"] = settings
-        env.write_json(out_dir / "metrics.json", metrics)
+        write_json(out_dir / "metrics.json", metrics)
     torch.manual_seed(args.seed)            # π's LoRA initialization and dropout: a warmup repeats exactly
     with MEMORY.phase("π SFT"):
         sft = train_policy_sft(pi, pi_examples, args.sft_epochs_pi, args.sft_lr_pi, args.sft_batch_pi, args.seed,
@@ -643,18 +621,17 @@ def train_pi(args: Args, out_dir: Path, pi_examples: Sequence[dict], retriever) 
     # The chosen epoch's evaluation is the SFT-only row (greedy: the merged weights decode the same), and what
     # arco.py needs to take it as its epoch 0 instead of repeating it.
     metrics["sft_only"], metrics["sft_only_settings"] = sft["best"]["scores"], settings
-    env.write_jsonl(out_dir / "eval_sft_only.jsonl", [t.to_dict() for t in sft["best"]["trajectories"]])
+    write_jsonl(out_dir / "eval_sft_only.jsonl", [t.to_dict() for t in sft["best"]["trajectories"]])
     base = f"base {metrics['base']['em']:.1f} -> " if "base" in metrics else ""
     print(f"[warmup] dev EM: {base}SFT only {metrics['sft_only']['em']:.1f}", flush=True)
-    env.write_json(out_dir / "metrics.json", metrics)
+    write_json(out_dir / "metrics.json", metrics)
     return metrics
 
 
 def train_mu(args, items: Sequence[dict], head_steps: int | None = None) -> tuple[RubricModel, dict]:
     """μ SFT (App. B, Eq. 7) on `items`: a fresh μ's LoRA and score head trained together, then the score-head fit
     (`head_steps`, default --sft-head-steps). Returns μ and its SFT's facts (Eq. 7's terms before/after, losses)."""
-    mu_backbone = load_backbone(args.mu_model or args.model, device=args.device, dtype=args.dtype,
-                                autocast=args.autocast, engine=args.engine)
+    mu_backbone = load_backbone(args.mu_model or args.model, **loading(args))
     torch.manual_seed(args.seed)                # μ's score head, LoRA and dropout (whether π was reused or not)
     mu = RubricModel(mu_backbone, k=args.k, rubric_mode=args.rubric, examples=args.mu_examples,
                      rubric_format=args.rubric_format)
@@ -684,16 +661,15 @@ def keep_mu(out_dir: Path, name: str, mu: RubricModel, facts: dict) -> dict:
     write_atomically(out_dir / name, mu.save)
     now = json.loads((out_dir / "metrics.json").read_text()) if (out_dir / "metrics.json").is_file() else {}
     metrics = {**now, "mu": {**now.get("mu", {}), name: facts}, **facts}   # the last μ also at the top level
-    env.write_json(out_dir / "metrics.json", metrics)
+    write_json(out_dir / "metrics.json", metrics)
     return metrics
 
 
 def on_policy_teacher(args, out_dir: Path, policy: Path | None = None) -> OnPolicyTeacher:
     """π_sft of the warmup in `out_dir` (or the π saved in `policy`, a run's checkpoint) as the player, the oracle
     annotating (--mu-data policy: the release's local-policy mode)."""
-    pi, _ = load_backbone_checkpoint(policy or out_dir / "pi_sft", device=args.device, dtype=args.dtype,
-                                     autocast=args.autocast, engine=args.engine)
-    return OnPolicyTeacher(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch, args.seed,
+    pi, _ = load_backbone_checkpoint(policy or out_dir / "pi_sft", **loading(args))
+    return OnPolicyTeacher(env, pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch, args.seed,
                            args.obs_chars)
 
 
@@ -705,7 +681,7 @@ def policy_records(args, out_dir: Path, questions: Sequence[env.Example], retrie
     samples = samples or args.warmup_samples
     folder = out_dir / "policy_rollouts"
     collect(questions, on_policy_teacher(args, out_dir), retriever, folder, samples, args.k, args.tol, args.progress)
-    kept, dropped = filter_records(env.read_jsonl(folder / f"records{collection_suffix(args.k)}.jsonl"), args.k, args.tol)
+    kept, dropped = filter_records(read_jsonl(folder / f"records{collection_suffix(args.k)}.jsonl"), args.k, args.tol)
     print(f"[warmup] μ SFT on π_sft's own rollouts: {len(kept)} trajectories kept (dropped: {dict(dropped) or 'none'})",
           flush=True)
     wanted = {ex.id for ex in questions}             # the records of the asked questions and samples only
@@ -713,16 +689,8 @@ def policy_records(args, out_dir: Path, questions: Sequence[env.Example], retrie
 
 
 # ----------------------------------------------------------------------------------------
-# 5. The warmup run, and its command line
+# 5. The warmup run, and what RL starts from
 # ----------------------------------------------------------------------------------------
-
-def make_teacher(args: Args):
-    if args.teacher == "oracle":
-        return OracleTeacher(seed=args.seed, obs_chars=args.obs_chars)
-    return OpenAITeacher(args.teacher_policy_model, args.teacher_rubric_model, args.teacher_temperature,
-                         args.max_retries, args.backoff, args.timeout, args.concurrency, args.policy_max_tokens,
-                         args.rubric_max_tokens, args.price_input, args.price_output, args.obs_chars)
-
 
 def summarize(records: Sequence[dict], examples: Sequence[env.Example], run: dict, args: Args,
               teacher) -> tuple[dict, list[dict], list[dict]]:
@@ -742,57 +710,17 @@ def summarize(records: Sequence[dict], examples: Sequence[env.Example], run: dic
             "teacher_usage_this_run": teacher.usage()}, pi, mu
 
 
-def check_retriever(folder: Path, retriever: str, pooling: str) -> None:
-    """A warmup folder keeps the retriever its trajectories were played with (retriever.json); a
-    warmup or an RL run with another retriever stops here, naming both, instead of mixing them."""
-    path = Path(folder) / "retriever.json"
-    wanted = {"retriever": retriever or env.EMBEDDED_RETRIEVER, "pooling": pooling}
-    if path.is_file():
-        have = json.loads(path.read_text())
-        if have != wanted:
-            raise env.DataError(f"the warmup in {folder} was made with retriever {have['retriever']} "
-                                f"({have['pooling']} pooling), this run asks for {wanted['retriever']} "
-                                f"({wanted['pooling']} pooling); pass the same --retriever / --retriever-pooling, "
-                                f"or another --warmup-dir")
-    elif (Path(folder) / "records.jsonl").is_file() or (Path(folder) / "pi_sft").is_dir():
-        if wanted["retriever"] != env.EMBEDDED_RETRIEVER or pooling != "mean":   # made before retriever.json
-            raise env.DataError(f"the warmup in {folder} records no retriever (it predates retriever.json, so it "
-                                f"used {env.EMBEDDED_RETRIEVER}); this run asks for {wanted['retriever']}")
-
-
-# The μ SFT settings a warmup keeps in metrics.json (same names in arco.py and warmup.py), each with the
-# value a warmup made before the setting existed had (None: such a warmup passes the check).
-MU_SFT_SETTINGS = {"sft_questions_mu": None, "sft_head_steps": 0, "rubric_format": "json"}
-
-
-def check_mu_settings(folder: Path, name: str, args) -> None:
-    """A warmup μ is reused only by runs that ask for the μ SFT it had (MU_SFT_SETTINGS); otherwise RL
-    would silently start from another μ."""
-    path = Path(folder) / "metrics.json"
-    if not (Path(folder) / name / "config.json").is_file():
-        return                                                       # no μ there yet: nothing is reused
-    made = json.loads(path.read_text()).get("mu", {}).get(name, {}) if path.is_file() else {}
-    for key, predated in MU_SFT_SETTINGS.items():
-        value = getattr(args, key)
-        had = made.get(key, value if predated is None else predated)
-        if had != value:
-            flag = "--" + key.replace("_", "-")
-            raise env.DataError(f"the μ in {Path(folder) / name} was fine-tuned with {flag} {had}, this run asks "
-                                f"for {value}; pass the same, another --warmup-dir, or delete "
-                                f"{Path(folder) / name} to fine-tune μ again")
-
-
 def run(args: Args) -> Path:
     """The whole warmup: collection (resumable), filtering, SFT datasets, π SFT and its evaluation, μ SFT."""
-    if args.dataset not in env.DATASETS:
-        raise env.DataError(f"unknown dataset '{args.dataset}': choose one of {', '.join(env.DATASETS)}")
+    if args.dataset not in DATASETS:
+        raise DataError(f"unknown dataset '{args.dataset}': choose one of {', '.join(DATASETS)}")
     out_dir = warmup_folder(args)
     check_retriever(out_dir, args.retriever, args.retriever_pooling)
     examples = env.load_split(args.dataset, args.split, args.data_dir or None, args.warmup_size or None, args.seed)
     teacher = make_teacher(args)
     retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)
-    env.write_json(out_dir / "args.json", dataclasses.asdict(args))
-    env.write_json(out_dir / "retriever.json", {"retriever": args.retriever or env.EMBEDDED_RETRIEVER,
+    write_json(out_dir / "args.json", dataclasses.asdict(args))
+    write_json(out_dir / "retriever.json", {"retriever": args.retriever or EMBEDDED_RETRIEVER,
                                             "pooling": args.retriever_pooling})
     ks = collection_suffix(args.k)
     try:
@@ -803,11 +731,11 @@ def run(args: Args) -> Path:
         sys.exit(f"interrupted: every finished record is in {out_dir / f'records{ks}.jsonl'}; "
                  f"rerun the same command to resume")
     wanted = {ex.id for ex in examples}
-    records = [r for r in env.read_jsonl(out_dir / f"records{ks}.jsonl") if r["id"] in wanted and r["sample"] < args.warmup_samples]
+    records = [r for r in read_jsonl(out_dir / f"records{ks}.jsonl") if r["id"] in wanted and r["sample"] < args.warmup_samples]
     summary, pi, mu = summarize(records, examples, run_counts, args, teacher)
     for name, rows in ((f"policy_sft{ks}.jsonl", pi), (f"rubric_sft{ks}.jsonl", mu)):
-        env.write_jsonl(out_dir / name, rows)
-    env.write_json(out_dir / f"summary{ks}.json", summary)
+        write_jsonl(out_dir / name, rows)
+    write_json(out_dir / f"summary{ks}.json", summary)
     failed = sum(v for k, v in run_counts.items() if k.startswith("failed_"))
     print(f"warmup records: {summary['records']} (R=1: {summary['reward_1']}, R=0: {summary['reward_0']}, "
           f"evidence found: {summary['evidence_found']}); this run: {run_counts.get('records', 0)} new, "
@@ -846,9 +774,39 @@ def run(args: Args) -> Path:
 
 def run_from_arco(a, train_mu: bool = True) -> Path:
     """The offline oracle warmup with the settings of an arco.py run (its preset and flags): the settings the
-    two scripts share (config.Settings, which arco.Args extends) are copied by name."""
+    two scripts share (infra.settings.Settings, which arco.Args extends) are copied by name."""
     shared = {f.name: getattr(a, f.name) for f in dataclasses.fields(Settings)}
     return run(Args(**shared, train_mu=train_mu))
+
+
+@dataclass
+class Warmup:
+    """What RL starts from (Alg. 1, line 1): π_sft, μ_sft (None for a run without μ), the ids of the questions the
+    warmup's records hold, and its folder."""
+    folder: Path
+    pi: Path
+    mu: Path | None
+    taught: set[str]
+
+
+def ensure(args, with_mu: bool) -> Warmup:
+    """π_sft/ and the μ this run needs (infra.warmups.mu_dir_name) of the warmup (§3.2, App. B): the offline oracle
+    warmup runs for whatever is missing (run_from_arco). Runs that differ only in μ (the ablations, K, --mu-model)
+    share one collection and one π SFT; a μ already there is used only if it was fine-tuned as this run asks."""
+    folder = warmup_folder(args)
+    mu = mu_dir_name(dataclasses.asdict(args)) if with_mu else None
+    check_retriever(folder, args.retriever, args.retriever_pooling)
+    if mu:
+        check_mu_settings(folder, mu, args)
+    missing = [n for n in ("pi_sft", mu) if n and not (folder / n / "config.json").is_file()]
+    for name in {"pi_sft", mu} - set(missing) - {None}:
+        check_intact(folder / name)           # a damaged warmup model is named before anything loads
+    if missing:
+        print(f"[arco] {folder} has no {' or '.join(m + '/' for m in missing)}: running the offline oracle "
+              f"warmup first (warmup.py)", flush=True)
+        run_from_arco(args, train_mu=with_mu)
+    taught = {r["id"] for path in folder.glob("records*.jsonl") for r in read_jsonl(path)}
+    return Warmup(folder, folder / "pi_sft", folder / mu if mu else None, taught)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -857,9 +815,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         check_model_available(name)
     try:
         run(args)
-    except (env.DataError, TeacherError, ValueError) as e:
-        sys.exit(f"error: {env.scrub(str(e))}")
+    except (DataError, TeacherError, ValueError) as e:
+        sys.exit(f"error: {scrub(str(e))}")
 
 
 if __name__ == "__main__":
-    main_guard(main, env.DataError, ModelLoadError)
+    main_guard(main, DataError, ModelLoadError)

@@ -11,6 +11,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from infra import models  # noqa: E402  (the repository on sys.path first)
+
 
 @pytest.fixture(scope="session")
 def data_dir() -> str:
@@ -33,8 +35,7 @@ def retriever():
 @pytest.fixture(scope="session")
 def smol_dir():
     """The embedded SmolLM2 as a cached HF checkpoint (converted on the first run only)."""
-    import rubric_model as rm
-    return rm.embedded_checkpoint()
+    return models.embedded_checkpoint()
 
 
 def _save_tiny(folder, model, tok):

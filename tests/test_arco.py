@@ -7,11 +7,17 @@ import pytest
 import torch
 
 import arco
-import config
 import env
-import plumbing
+from infra.engines import loading
 import rubric_model as rm
-import study
+from lab import study
+from infra import models
+from infra import passes
+from infra import settings
+from lab import truth
+from infra import engines
+from infra.fast import FAST
+from infra.passes import PLAIN
 
 
 def scripted_batch():
@@ -42,7 +48,7 @@ def step_logps(pi, trajs):
     with torch.no_grad():
         for t in trajs:
             for st in t.steps:
-                prompt, response = rm.chat_prompt_ids(pi.tokenizer, st.prompt), rm.encode_response(pi, st.output)
+                prompt, response = passes.chat_prompt_ids(pi.tokenizer, st.prompt), passes.encode_response(pi, st.output)
                 logits = pi.model(torch.tensor([prompt + response])).logits[0].float()
                 out.append(float(sum(torch.log_softmax(logits[len(prompt) - 1 + i], -1)[tok]
                                      for i, tok in enumerate(response))))
@@ -53,12 +59,12 @@ def test_policy_update_matches_a_hand_computation_with_the_kl_term(tiny_dir):
     """Eq. 3 on a tiny model with π ≠ π_ref: the loss policy_update reports equals
     −(1/|B|) Σ A log p(a|h) + λ_π (1/|B|) Σ_t mean_i KL(π‖π_ref)_i, recomputed here one sequence and one
     token at a time; with every A = 0 the gradient is the KL term's alone, and it is not zero."""
-    pi = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
+    pi = models.add_lora(models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST), dropout=0.0)
     perturb_lora(pi)
     trajs = scripted_batch()
     A = [[0.5, -0.25], [1.0]]
     args = arco.resolve_args(arco.Args(token_reduction="mean"))
-    params = rm.trainable_parameters(pi.model)
+    params = models.trainable_parameters(pi.model)
     out = arco.policy_update(pi, torch.optim.SGD(params, lr=0.0), trajs, A, args, 0.05)
 
     expected_pg, expected_kl = 0.0, 0.0
@@ -66,8 +72,8 @@ def test_policy_update_matches_a_hand_computation_with_the_kl_term(tiny_dir):
     with torch.no_grad():
         for t, a_t in zip(trajs, A):
             for st, a in zip(t.steps, a_t):
-                ids = rm.chat_prompt_ids(pi.tokenizer, st.prompt)
-                response = rm.encode_response(pi, st.output)
+                ids = passes.chat_prompt_ids(pi.tokenizer, st.prompt)
+                response = passes.encode_response(pi, st.output)
                 logits = pi.model(torch.tensor([ids + response])).logits[0].float()
                 with pi.model.disable_adapter():
                     ref = pi.model(torch.tensor([ids + response])).logits[0].float()
@@ -97,19 +103,19 @@ def test_policy_update_kl_term_is_kl_of_pi_to_pi_ref_not_the_reverse(tiny_dir, e
     KL(π ‖ π_ref) and KL(π_ref ‖ π) differ by far more than the tolerance (the LM head scaled up, so that
     the tiny model's distributions are peaked): the reported loss is the first,
     and the reverse direction falls outside the tolerance."""
-    pi = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=engine), dropout=0.0)
+    pi = models.add_lora(models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=engines.ENGINES[engine]), dropout=0.0)
     perturb_lora(pi, std=2.0)
     with torch.no_grad():                  # peaked distributions: a random tiny model's are near uniform, where
         pi.model.get_output_embeddings().weight.mul_(40)      # the two directions agree to second order
     trajs = scripted_batch()
     args = arco.resolve_args(arco.Args(token_reduction="mean", engine=engine))
-    out = arco.policy_update(pi, torch.optim.SGD(rm.trainable_parameters(pi.model), lr=0.0), trajs,
+    out = arco.policy_update(pi, torch.optim.SGD(models.trainable_parameters(pi.model), lr=0.0), trajs,
                              [[0.0, 0.0], [0.0]], args, 1.0)
     forward = reverse = 0.0
     pi.model.eval()
     with torch.no_grad():
         for st in (st for t in trajs for st in t.steps):
-            ids, response = rm.chat_prompt_ids(pi.tokenizer, st.prompt), rm.encode_response(pi, st.output)
+            ids, response = passes.chat_prompt_ids(pi.tokenizer, st.prompt), passes.encode_response(pi, st.output)
             rows = slice(len(ids) - 1, len(ids) - 1 + len(response))
             p = torch.log_softmax(pi.model(torch.tensor([ids + response])).logits[0, rows].float(), -1)
             with pi.model.disable_adapter():
@@ -127,14 +133,14 @@ def test_policy_update_skips_zero_advantage_steps_only_when_nothing_changes(tiny
     trajs = scripted_batch()
     args = arco.resolve_args(arco.Args(token_reduction="mean"))
     computed = []
-    real = arco.passes
-    monkeypatch.setattr(arco, "passes", lambda bb, seqs, *a, **kw: computed.append(len(seqs)) or real(bb, seqs, *a, **kw))
+    real = arco.training_passes
+    monkeypatch.setattr(arco, "training_passes", lambda bb, seqs, *a, **kw: computed.append(len(seqs)) or real(bb, seqs, *a, **kw))
     after = {}
     for A, kl in (([[0.5, 0.0], [0.0]], 0.0), ([[0.5, 0.0], [0.0]], 1e-30), ([[0.0, 0.0], [0.0]], 0.0)):
         torch.manual_seed(0)
-        pi = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
+        pi = models.add_lora(models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST), dropout=0.0)
         perturb_lora(pi)
-        opt = torch.optim.AdamW(rm.trainable_parameters(pi.model), lr=1e-2, weight_decay=0.01)
+        opt = torch.optim.AdamW(models.trainable_parameters(pi.model), lr=1e-2, weight_decay=0.01)
         computed.clear()
         before = lora_state(pi)
         out = arco.policy_update(pi, opt, trajs, A, args, kl)
@@ -152,14 +158,14 @@ def test_policy_update_skips_zero_advantage_steps_only_when_nothing_changes(tiny
 def test_policy_update_raises_actions_with_positive_advantage_and_lowers_negative_ones(tiny_dir):
     """One real step (SGD, lr > 0, λ_π = 0.05): the adapter moves; log π of the action with A > 0 rises,
     that of the action with A < 0 falls (each from the same starting adapter)."""
-    pi = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
+    pi = models.add_lora(models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST), dropout=0.0)
     trajs = scripted_batch()
     args = arco.resolve_args(arco.Args())
     start, before = lora_state(pi), step_logps(pi, trajs)
     for which, sign in ((0, 1.0), (2, -1.0)):                    # Search[title] up, Finish[answer] down
         pi.model.load_state_dict(start, strict=False)
         A = [[sign if which == 0 else 0.0, 0.0], [sign if which == 2 else 0.0]]
-        arco.policy_update(pi, torch.optim.SGD(rm.trainable_parameters(pi.model), lr=0.5), trajs, A, args, 0.05)
+        arco.policy_update(pi, torch.optim.SGD(models.trainable_parameters(pi.model), lr=0.5), trajs, A, args, 0.05)
         moved = lora_state(pi)
         assert any(not torch.equal(moved[n], start[n]) for n in start)
         after = step_logps(pi, trajs)
@@ -170,7 +176,7 @@ def test_rubric_update_moves_lora_and_head_and_lowers_the_decomposition_error(ti
     """One Eq. 5 step on a fixed batch: recomputing each step's activations in the backward (gradient
     checkpointing) gives the same loss and gradients as keeping them; the loss is Eq. 5 by hand; a real
     step moves μ's LoRA and its score head and lowers Σ_τ (Σ_t s_t − R)²."""
-    bb = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
+    bb = models.add_lora(models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST), dropout=0.0)
     perturb_lora(bb)
     torch.manual_seed(0)
     mu = rm.RubricModel(bb, k=3, examples=0)
@@ -191,10 +197,10 @@ def test_rubric_update_moves_lora_and_head_and_lowers_the_decomposition_error(ti
     # step's KL is the mean over its rubric tokens; the steps' KLs are summed and divided by |B| = 2.
     with torch.no_grad():
         s = mu.score(contexts, rubrics).s.tolist()
-        bb.engine = "plain"                                   # each step's KL by one ordinary pass per sequence
-        kl = list(rm.training_passes(bb, mu.scoring_ids(contexts, rubrics), [len(r.token_ids) for r in rubrics],
+        bb.engine = PLAIN                                   # each step's KL by one ordinary pass per sequence
+        kl = list(passes.training_passes(bb, mu.scoring_ids(contexts, rubrics), [len(r.token_ids) for r in rubrics],
                                      kl=True, budget=None))
-        bb.engine = "fast"
+        bb.engine = FAST
     step_kl = [float(p.kl[0][p.mask[0]].mean()) for p in kl]
     n0 = len(trajs[0].steps)
     decomposition = (sum(s[:n0]) ** 2 + sum(s[n0:]) ** 2) / 2
@@ -220,7 +226,7 @@ def test_rubric_update_moves_lora_and_head_and_lowers_the_decomposition_error(ti
 def test_one_mu_update_at_the_cpu_presets_rates_lowers_the_decomposition_error(tiny_dir):
     """The `cpu` preset's μ rates and Eq. 5 weights (README, "the default run"): one step of rubric_update lowers
     the decomposition error of its own batch, and the error it logs after the step is the one recomputed here."""
-    bb = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
+    bb = models.add_lora(models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST), dropout=0.0)
     perturb_lora(bb)
     torch.manual_seed(0)
     mu = rm.RubricModel(bb, k=3, examples=0, rubric_format="slots")
@@ -369,11 +375,11 @@ def test_the_whole_loop_writes_the_same_numbers_on_both_engines(tiny_run, tiny_d
 @pytest.mark.parametrize("credit", ["projection", "causal"])
 def test_the_ground_truth_arms_score_steps_by_their_ground_truth(tiny_run, tiny_dir, credit):
     """The study's oracle arms through the core's one seam (arco.run(args, credit=study.arm_credit(...)), issues
-    33 and 41): no μ is loaded or trained, and the dense epoch's s_t are study.ground_truth_scores of each step (the
-    labels written in the traces), Σ_t s_t = R(τ); for the causal oracle G_t = R − Φ(h_t), Φ the share of the
+    33 and 41): no μ is loaded or trained, and the dense epoch's s_t are truth.ground_truth_scores of each step (its
+    labels from the trace row), Σ_t s_t = R(τ); for the causal oracle G_t = R − Φ(h_t), Φ the share of the
     chain's paragraphs found before step t."""
     warm = tiny_run / "synthetic" / "warmup"
-    args = arco.resolve_args(config.parse_args(arco.Args, tiny_args(tiny_dir, tiny_run, warmup_dir=warm,
+    args = arco.resolve_args(settings.parse_args(arco.Args, tiny_args(tiny_dir, tiny_run, warmup_dir=warm,
                                                                     name=f"{credit}-oracle")))
     run = arco.run(args, credit=study.arm_credit({"credit": credit}))
     assert run == tiny_run / "synthetic" / f"{credit}-oracle"
@@ -382,9 +388,9 @@ def test_the_ground_truth_arms_score_steps_by_their_ground_truth(tiny_run, tiny_
     assert [r["dense"] for r in updates] == [False, False, True] and "rubric_loss" not in updates[-1]
     for row in read_jsonl(run / "traces" / "epoch_2.jsonl"):
         s = [st["s"] for st in row["steps"]]
-        useful = [st["useful"] for st in row["steps"]]
+        useful = truth.step_usefulness(row)                              # the labels, from the trace row
         if credit == "projection":
-            assert s == pytest.approx(study.projection_credit(useful, row["reward"]), abs=1e-4)
+            assert s == pytest.approx(truth.projection_credit(useful, row["reward"]), abs=1e-4)
         else:
             found = [u and st["valid"] and st["action"] == "search" for u, st in zip(useful, row["steps"])]
             phi = [sum(found[:t]) / 2 for t in range(len(found))]           # the synthetic worlds: 2 hops
@@ -399,10 +405,10 @@ def test_learning_rate_and_kl_switch_at_the_transition(tiny_run, tiny_dir, monke
     seen = []
     real = arco.policy_update
 
-    def spy(pi, optimizer, trajs, A, args, kl_pi):
+    def spy(pi, optimizer, trajs, A, args, kl_pi, workers):
         group = optimizer.param_groups[0]
         seen.append((group["lr"], kl_pi, group["weight_decay"], len(trajs)))
-        return real(pi, optimizer, trajs, A, args, kl_pi)
+        return real(pi, optimizer, trajs, A, args, kl_pi, workers)
     monkeypatch.setattr(arco, "policy_update", spy)
     arco.main(tiny_args(tiny_dir, tiny_run, name="lr-switch", warmup_dir=tiny_run / "synthetic" / "warmup"))
     assert seen == [(2e-4, 0.0, 0.01, 4), (2e-4, 0.0, 0.01, 4), (1e-4, 0.05, 0.01, 4)]
@@ -411,7 +417,7 @@ def test_learning_rate_and_kl_switch_at_the_transition(tiny_run, tiny_dir, monke
 def test_the_loop_benchmark_times_one_dense_iteration_on_a_saved_batch(tiny_run, tiny_dir):
     """`benchmark.py loop` (arco.py's flags): every phase timed beside its raw rate, on the oracle's
     batch that the first call saves and a later call reads back unchanged."""
-    import benchmark
+    from lab import benchmark
     argv = ["loop"] + tiny_args(tiny_dir, tiny_run, warmup_dir=tiny_run / "synthetic" / "warmup")
     benchmark.main(argv)
     bench = tiny_run / "synthetic" / "benchmark"
@@ -421,7 +427,8 @@ def test_the_loop_benchmark_times_one_dense_iteration_on_a_saved_batch(tiny_run,
     assert set(result["phases"]) == {"π rollout", "μ rubrics + scores", "π update", "μ update"}
     assert all(p["seconds"] > 0 and p["raw_seconds"] > 0 and p["tokens"] > 0 for p in result["phases"].values())
     assert result["trajectories_per_minute"] == pytest.approx(60 * 4 / result["seconds"])
-    examples = plumbing.training_questions(arco.resolve_args(arco.parse_args(arco.Args, argv[1:])), tiny_run)
+    a = arco.resolve_args(arco.parse_args(arco.Args, argv[1:]))
+    examples = env.training_questions(a.dataset, a.data_dir or None, a.train_size, a.seed)
     trajs = benchmark.load_batch(bench / "batch.jsonl", examples)
     benchmark.save_batch(tiny_run / "again.jsonl", trajs)
     assert (tiny_run / "again.jsonl").read_bytes() == saved                  # the batch reads back exactly
@@ -449,8 +456,8 @@ def test_an_ablation_reuses_the_warmup_and_trains_only_its_own_mu(tiny_run, tiny
     monkeypatch.setattr(warmup, "train_policy_sft", lambda *a, **kw: pytest.fail("π SFT ran a second time"))
     arco.main(tiny_args(tiny_dir, tiny_run, rubric="none", epochs=1))
     warm = tiny_run / "synthetic" / "warmup"
-    assert rm.RubricModel.load(warm / "mu_sft-none", device="cpu").rubric_mode == "none"
-    assert rm.RubricModel.load(warm / "mu_sft", device="cpu").rubric_mode == "adaptive"
+    assert rm.RubricModel.load(warm / "mu_sft-none", device="cpu", engine=FAST).rubric_mode == "none"
+    assert rm.RubricModel.load(warm / "mu_sft", device="cpu", engine=FAST).rubric_mode == "adaptive"
     assert set(json.loads((warm / "metrics.json").read_text())["mu"]) == {"mu_sft", "mu_sft-none"}
     updates = [r for r in read_jsonl(tiny_run / "synthetic" / "arco-none" / "metrics.jsonl") if r["kind"] == "update"]
     assert updates and all(r["kl_mu"] == 0 and r["decomposition_mse"] >= 0 for r in updates)
@@ -472,7 +479,7 @@ def test_a_k_ablation_collects_its_own_annotations_and_shares_pi_sft(tiny_run, t
         return {(r["id"], r["sample"]): [(st["action"], st["argument"]) for st in r["steps"]] for r in rs}
     assert actions(records) == actions(read_jsonl(warm / "records.jsonl"))
     assert all(len(r["criteria"]) == len(r["scores"]) == 5 for r in read_jsonl(warm / "rubric_sft-k5.jsonl"))
-    assert rm.RubricModel.load(warm / "mu_sft-k5", device="cpu").k == 5
+    assert rm.RubricModel.load(warm / "mu_sft-k5", device="cpu", engine=FAST).k == 5
     rows = read_jsonl(tiny_run / "synthetic" / "arco-k5" / "traces" / "epoch_1.jsonl")
     assert rows and all(len(st["d"]) == 5 for r in rows for st in r["steps"])
 
@@ -484,11 +491,11 @@ def test_epoch_0_is_the_warmups_sft_only_evaluation_and_equals_a_fresh_one(tiny_
     sft_only = json.loads((warm / "metrics.json").read_text())["sft_only"]
     ev0 = next(r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "eval")
     assert {k: ev0[k] for k in sft_only} == sft_only
-    args = arco.resolve_args(config.parse_args(arco.Args, tiny_args(tiny_dir, tiny_run)))
+    args = arco.resolve_args(settings.parse_args(arco.Args, tiny_args(tiny_dir, tiny_run)))
     torch.manual_seed(args.seed)
-    pi, _ = plumbing.build_models(args, warm, with_mu=False)
+    pi = models.fresh_adapter(models.load_backbone_checkpoint(warm / "pi_sft", **loading(args))[0], args.lora_dropout)
     dev = env.load_split("synthetic", "dev", None, args.eval_size, args.seed)
-    ev, trajs = plumbing.evaluate_policy(pi, dev, args, env.Retriever())
+    ev, trajs = arco.dev_evaluation(pi, dev, args, env.Retriever())
     assert ev == sft_only
     assert [[st.output for st in t.steps] for t in trajs] == \
         [[st["output"] for st in r["steps"]] for r in read_jsonl(run / "traces" / "eval_epoch_0.jsonl")]
@@ -596,7 +603,7 @@ def test_whole_loop_on_the_embedded_model_and_real_hotpotqa(tmp_path, data_dir):
     args = json.loads((run / "args.json").read_text())
     assert args["model"] == "embedded" and args["mu_model"] == "embedded" and args["max_new_tokens_mu"] == 24
     assert json.loads((tmp_path / "hotpotqa" / "warmup" / "retriever.json").read_text()) == \
-        {"retriever": env.EMBEDDED_RETRIEVER, "pooling": "mean"}
+        {"retriever": settings.EMBEDDED_RETRIEVER, "pooling": "mean"}
     rows = read_jsonl(run / "metrics.jsonl")
     evals = [r for r in rows if r["kind"] == "eval"]
     updates = [r for r in rows if r["kind"] == "update"]
@@ -679,7 +686,7 @@ def test_rubric_update_pools_the_mean_of_each_sequences_hidden_states(tiny_dir):
     """The vectors Eq. 5's score head reads in rubric_update (packed passes, a shared prefix) are mean_pool of
     each full scoring sequence's last hidden states, as a plain pass computes them — not a rescaled mean (the
     head's LayerNorm would hide a uniform rescaling from every loss-level test)."""
-    bb = rm.add_lora(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), dropout=0.0)
+    bb = models.add_lora(models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST), dropout=0.0)
     perturb_lora(bb)
     mu = rm.RubricModel(bb, k=3, examples=0)
     trajs = scripted_batch()

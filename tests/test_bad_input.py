@@ -12,14 +12,14 @@ import types
 import pytest
 
 import arco
-import benchmark
-import diagnostics
 import env
-import config
 import rubric_model as rm
 import warmup
+from infra import models
+from infra.settings import main_guard
+from lab import benchmark, diagnostics
 
-SCRIPTS = {"env": (env, [], env.Args), "benchmark": (benchmark, ["sample"], benchmark.ModelArgs),
+SCRIPTS = {"benchmark": (benchmark, ["sample"], benchmark.ModelArgs),
            "warmup": (warmup, ["--dataset", "synthetic"], warmup.Args), "arco": (arco, ["--dataset", "synthetic"], arco.Args),
            "diagnostics": (diagnostics, [], diagnostics.Args)}
 
@@ -52,7 +52,7 @@ def cases():
 
 def run_guarded(module, argv, capsys) -> tuple[int, list[str]]:
     with pytest.raises(SystemExit) as exit_:
-        config.main_guard(lambda: module.main(argv), env.DataError, rm.ModelLoadError)
+        main_guard(lambda: module.main(argv), env.DataError, models.ModelLoadError)
     return exit_.value.code, capsys.readouterr().err.strip().splitlines()
 
 
@@ -61,12 +61,12 @@ def test_a_ctrl_c_nothing_caught_is_one_line_not_a_traceback(capsys, monkeypatch
         raise KeyboardInterrupt
     monkeypatch.delenv("ARCO_TRACEBACK", raising=False)
     with pytest.raises(SystemExit) as exit_:
-        config.main_guard(interrupted)
+        main_guard(interrupted)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 130 and len(err) == 1 and err[0].startswith("interrupted")
     monkeypatch.setenv("ARCO_TRACEBACK", "1")
     with pytest.raises(KeyboardInterrupt):
-        config.main_guard(interrupted)
+        main_guard(interrupted)
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_the_flags_that_used_to_slip_through(argv, words, no_model, capsys):
 
 def test_a_model_that_cannot_be_had_offline_is_one_line_before_any_folder(no_model, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(rm, "_hub_reachable", lambda *a, **kw: False)
+    monkeypatch.setattr(models, "_hub_reachable", lambda *a, **kw: False)
     code, err = run_guarded(arco, ["--dataset", "synthetic", "--model", "nonexistent/model-xyz"], capsys)
     assert code == 2 and len(err) == 1 and err[0].startswith("error: model 'nonexistent/model-xyz' is not a local")
     assert list(no_model.iterdir()) == []

@@ -13,9 +13,9 @@ import types
 import numpy as np
 import pytest
 
-import study
+from lab import study
 import env
-from diagnostics import (auc, best_threshold, binding_item, cohen_kappa, crossfit_judge, judge_stats, mean_ci,
+from lab.diagnostics import (auc, best_threshold, binding_item, cohen_kappa, crossfit_judge, judge_stats, mean_ci,
                       proportion_ci, redundancy, redundancy_summary,
                       spearman, step_count_reference, step_usefulness)
 
@@ -401,7 +401,7 @@ def test_credit_room_counts_failed_trajectories_with_a_useful_step_then_a_useles
 def test_auc_by_step_type_by_hand():
     """Search steps 0.9 (useful) and 0.1 (useless): 1.0; the finish steps hold one class only: None; all four
     steps (the invalid one counts in 'all'): useful 0.9, 0.5 above useless 0.1, 0.2: 1.0."""
-    from study import auc_by_step_type
+    from lab.study import auc_by_step_type
     assert auc_by_step_type([0.9, 0.1, 0.5, 0.2], [1, 0, 1, 0], ["search", "search", "finish", None]) == \
         {"search": 1.0, "finish": None, "all": 1.0}
     assert auc_by_step_type([0.2, 0.9, 0.1, 0.8], [1, 0, 1, 0], ["finish", "finish", "search", "search"]) == \

@@ -19,13 +19,15 @@ import pytest
 
 import arco
 import env
-import diagnostics as dg
-import study
+from lab import diagnostics as dg
+from lab import study
 import rubric_model as rm
 import warmup
 from conftest import ChatServer
-from config import main_guard
+from infra.settings import main_guard
 from test_arco import tiny_args
+from infra import models
+from infra.fast import FAST
 
 
 def tiny_argv(tiny_dir, out, **kw):
@@ -54,7 +56,7 @@ def evals_of(run):
 def main(argv):
     """diagnostics.py as its command line runs it (main_guard: one-line errors exit 2); its exit status."""
     try:
-        main_guard(lambda: dg.main([str(a) for a in argv]), env.DataError, rm.ModelLoadError)
+        main_guard(lambda: dg.main([str(a) for a in argv]), env.DataError, models.ModelLoadError)
     except SystemExit as e:
         return e.code
     return 0
@@ -64,7 +66,7 @@ def no_evaluation(monkeypatch):
     def fail(*a, **kw):
         pytest.fail("a policy was loaded or evaluated although an evaluation was stored")
     monkeypatch.setattr(env, "evaluate", fail)
-    monkeypatch.setattr(rm, "load_backbone_checkpoint", fail)
+    monkeypatch.setattr(models, "load_backbone_checkpoint", fail)
 
 
 def counting_evaluation(monkeypatch):
@@ -308,7 +310,7 @@ def test_bad_commands_exit_2_with_a_clear_message(runs, tmp_path, capsys):
 def test_untrained_mu_is_the_base_backbone_with_a_seeded_fresh_head(runs):
     warm = runs / "warmup" / "mu_sft"
     a, b, c = (dg.untrained_mu(warm, "cpu", seed) for seed in (3, 3, 4))
-    trained = rm.RubricModel.load(warm, device="cpu")
+    trained = rm.RubricModel.load(warm, device="cpu", engine=FAST)
     assert a.k == trained.k and a.rubric_mode == trained.rubric_mode and a.examples == trained.examples
     for key, value in a.head.state_dict().items():
         assert value.equal(b.head.state_dict()[key])                        # same seed, same head
@@ -322,7 +324,7 @@ def oracle_trace_rows(K, epoch, n_questions=3):
     """Training-trace rows as arco.trace_rows writes them, from oracle trajectories annotated by the
     oracle teacher: d_t = its K criterion scores, s_t = their mean (a useful step gets s_t = 1,
     every useless one less), G_t and buckets by Eq. 3-4."""
-    teacher = warmup.OracleTeacher(seed=1)
+    teacher = warmup.OracleTeacher(env, seed=1)
     examples = env.synthetic_examples(n_questions, seed=5, split="train")
     trajs, metas = teacher.rollout([(ex, s) for ex in examples for s in range(3)], env.Retriever())
     rows = []
@@ -401,7 +403,7 @@ def test_diagnose_credit_assignment_on_heldout_oracle_trajectories(diagnosed, ru
     # the held-out set, rebuilt here: the oracle's trajectories on the first 3 dev questions, 2 samples each
     examples = env.load_split("synthetic", "dev", size=3, seed=0)
     obs_chars = json.loads((run / "args.json").read_text())["obs_chars"]
-    trajs, metas = warmup.OracleTeacher(seed=0, obs_chars=obs_chars).rollout(
+    trajs, metas = warmup.OracleTeacher(env, seed=0, obs_chars=obs_chars).rollout(
         [(ex, s) for ex in examples for s in range(2)], env.Retriever())
     labels = [dg.step_usefulness(t) for t in trajs]
     assert h["trajectories"] == 6 and h["variants"]["gold"] == 3 and sum(h["variants"].values()) == 6
@@ -541,19 +543,19 @@ def test_the_fork_study_branches_its_arms_from_one_sparse_phase_and_resumes(tiny
     monkeypatch.setattr(study, "CURVE_SIZE", 2)
     argv = [a for a in argv if a not in ("--dataset", "synthetic")]          # the study's synthetic-long
     started = {}
-    resume_from = arco.resume_from
+    resume_at = arco.resume_at
 
-    def recording(folder, run_dir, args, *rest):
-        out = resume_from(folder, run_dir, args, *rest)
+    def recording(checkpoint, folder, args, *rest):
+        out = resume_at(checkpoint, folder, args, *rest)
         pi, mu, opt_pi, opt_mu = out[:4]
-        started[run_dir.name] = (Path(folder).parent.parent.name, out[4:6],
+        started[folder.path.name] = (Path(checkpoint).parent.parent.name, out[5:7],
                                  sum(float(p.detach().double().sum()) for p in pi.model.parameters()),
                                  None if mu is None else sum(float(p.detach().double().sum()) for p in
                                                              [*mu.backbone.model.parameters(), *mu.head.parameters()]),
                                  sum(float(v.double().sum()) for st in opt_pi.state_dict()["state"].values()
                                      for v in st.values()))
         return out
-    monkeypatch.setattr(arco, "resume_from", recording)
+    monkeypatch.setattr(arco, "resume_at", recording)
     players, judges = [], []                             # μ's AUC at the fork: who played, which μ scored
     teacher, load = warmup.on_policy_teacher, rm.RubricModel.load
     monkeypatch.setattr(warmup, "on_policy_teacher", lambda a, o, policy=None: players.append(policy) or

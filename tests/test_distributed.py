@@ -27,9 +27,11 @@ BUCKET_SCRIPT = """
 import json, sys
 import torch
 import arco, env
-# Two ranks, unequal shares: rank 0 holds trajectory a (search, search, finish), rank 1 holds b (search,
-# finish) and c (finish). s per step: a 0.2, 0.3, 0.5 | b 0.1, 0.4 | c -0.5.
-arco.dp.start(arco.resolve_args(arco.parse_args(arco.Args, ["--dataset", "synthetic", "--sampling", "trajectory"])))
+from infra.parallel import Workers
+# Two processes, unequal parts (Workers.part): the first holds trajectories a (search, search, finish) and
+# b (search, finish), the second c (finish). s per step: a 0.2, 0.3, 0.5 | b 0.1, 0.4 | c -0.5.
+workers = Workers()
+workers.start(arco.resolve_args(arco.parse_args(arco.Args, ["--dataset", "synthetic", "--sampling", "trajectory"])))
 ex = env.Example(id="q", question="?", answers=["x"], paragraphs=[("t", "p")], supporting=[0], dataset="synthetic")
 def traj(actions, reward):
     t = env.Trajectory(ex, 3)
@@ -37,19 +39,20 @@ def traj(actions, reward):
                         searches_left=0, forced_finish=False) for a in actions]
     t.reward = reward
     return t
-mine = [traj(["search", "search", "finish"], 1.0)] if arco.dp.rank == 0 else \\
-    [traj(["search", "finish"], 0.0), traj(["finish"], 1.0)]
-s_mine = torch.tensor([0.2, 0.3, 0.5]) if arco.dp.rank == 0 else torch.tensor([0.1, 0.4, -0.5])
-trajs, s = arco.dp.gather(mine), torch.cat(arco.dp.gather([s_mine]))
+batch = [traj(["search", "search", "finish"], 1.0), traj(["search", "finish"], 0.0), traj(["finish"], 1.0)]
+scores = [[0.2, 0.3, 0.5], [0.1, 0.4], [-0.5]]
+got = workers.map(lambda idx: [(batch[i], scores[i]) for i in idx], list(range(3)))   # each its part, all back
+trajs = [t for t, _ in got]
+s = torch.tensor([x for _, xs in got for x in xs])
 args = arco.resolve_args(arco.parse_args(arco.Args, ["--dataset", "synthetic", "--no-bucket-fallback",
                                                      "--sparse-baseline", "batch"]))
 A, info = arco.advantages(trajs, s, True, args)
 A_sparse, _ = arco.advantages(trajs, None, False, args)
-total = arco.dp.sum(float(len(mine)))
-if arco.dp.rank == 0:
+total = workers.total(float(len(workers.own(range(3)))))
+if workers.main:
     json.dump({"A": A, "means": info["mean_G_per_bucket"], "A_sparse": A_sparse, "n": total,
-               "share": [arco.dp.share(5).start, arco.dp.share(5).stop]}, open(sys.argv[1], "w"))
-arco.dp.end()
+               "share": [workers.part(5).start, workers.part(5).stop]}, open(sys.argv[1], "w"))
+workers.end()
 """
 
 
@@ -66,23 +69,24 @@ def test_two_ranks_with_unequal_shares_compute_the_whole_batchs_bucket_means(tmp
     assert [x for a in got["A"] for x in a] == pytest.approx(
         [0.125, 0.0, 0.5 * (0.5 - 0.4 / 3), -0.125, 0.5 * (0.4 - 0.4 / 3), 0.5 * (-0.5 - 0.4 / 3)])
     assert [a[0] for a in got["A_sparse"]] == pytest.approx([1 / 3, -2 / 3, 1 / 3])
-    assert got["n"] == [3.0]                      # |B| summed over the ranks: 1 + 2
-    assert got["share"] == [0, 3]                 # rank 0 of 2 takes 3 of 5 items (rank 1: 3..5)
+    assert got["n"] == [3.0]                      # |B| summed over the workers: 2 + 1
+    assert got["share"] == [0, 3]                 # the first of 2 takes 3 of 5 items (the second: 3..5)
 
 
-# arco.py in fp32: a CPU with native bf16 runs every pass under bf16 autocast (rubric_model.CPU_AUTOCAST_DEFAULT),
+# arco.py in fp32: a CPU with native bf16 runs every pass under bf16 autocast (infra.models.CPU_AUTOCAST_DEFAULT),
 # whose rounding depends on the shape of a batch, hence on how the batch is split across ranks.
-FP32_ARCO = "import sys, rubric_model\nrubric_model.CPU_AUTOCAST_DEFAULT = False\nimport arco\narco.main(sys.argv[1:])\n"
+FP32_ARCO = "import sys\nfrom infra import models\nmodels.CPU_AUTOCAST_DEFAULT = False\nimport arco\narco.main(sys.argv[1:])\n"
 # The same, and every rank gets a SIGINT (Ctrl-C) right after epoch 1's first update.
-CTRL_C_ARCO = """import os, signal, sys, rubric_model
-rubric_model.CPU_AUTOCAST_DEFAULT = False
+CTRL_C_ARCO = """import os, signal, sys
+from infra import models
+models.CPU_AUTOCAST_DEFAULT = False
 import arco
 real = arco.iteration
 def iteration(*a, **k):
-    row = real(*a, **k)
-    if (row["epoch"], row["batch"]) == (1, 0):
+    u = real(*a, **k)
+    if (u.epoch, u.batch) == (1, 0):
         os.kill(os.getpid(), signal.SIGINT)
-    return row
+    return u
 arco.iteration = iteration
 arco.main(sys.argv[1:])
 """
@@ -131,11 +135,12 @@ def test_torchrun_refuses_the_batch_wide_random_stream(monkeypatch):
     """--sampling batch draws once over the generation batch, so a rank's rollouts would depend on the split:
     a torchrun run (WORLD_SIZE > 1) stops before joining the process group, saying what to pass."""
     import arco
-    import plumbing
+    from infra.parallel import Workers
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    dp = plumbing.DataParallel()
-    assert (dp.world, dp.rank, dp.main) == (2, 1, False)
+    workers = Workers()
+    assert (workers.count, workers.index, workers.main) == (2, 1, False)
     with pytest.raises(SystemExit, match="--sampling trajectory"):
-        dp.start(arco.resolve_args(arco.parse_args(arco.Args, ["--dataset", "synthetic"])))
-    assert [dp.share(7) for dp.rank in (0, 1)] == [slice(0, 4), slice(4, 7)]
+        workers.start(arco.resolve_args(arco.parse_args(arco.Args, ["--dataset", "synthetic"])))
+    assert [workers.part(7) for workers.index in (0, 1)] == [slice(0, 4), slice(4, 7)]
+    assert Workers(alone=True).count == 1

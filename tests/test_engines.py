@@ -11,9 +11,13 @@ import torch
 
 import arco
 import env
-import fast
+from infra import fast
 import rubric_model as rm
 from test_arco import numbers, read_jsonl, tiny_args
+from infra import models
+from infra import passes
+from infra import engines
+from infra.fast import FAST
 
 REL, ABS = 1e-4, 1e-6          # float32 sums in another order
 
@@ -25,7 +29,7 @@ class TitleRetriever:
 
 def perturbed(model_dir, seed, engine="fast"):
     torch.manual_seed(seed)      # add_lora draws lora_A from the global generator
-    bb = rm.add_lora(rm.load_backbone(str(model_dir), device="cpu", autocast="off", engine=engine), dropout=0.0)
+    bb = models.add_lora(models.load_backbone(str(model_dir), device="cpu", autocast="off", engine=engines.ENGINES[engine]), dropout=0.0)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in bb.model.named_parameters():
@@ -55,12 +59,12 @@ def test_the_passes_of_both_engines_hold_the_same_numbers(tiny_any_dir, budget):
     bb.model.train()
     got = {}
     for engine in ("plain", "fast"):
-        bb.engine = engine
-        params = rm.trainable_parameters(bb.model)
+        bb.engine = engines.ENGINES[engine]
+        params = models.trainable_parameters(bb.model)
         for p in params:
             p.grad = None
         rows = {}
-        for p in rm.training_passes(bb, seqs, lens, kl=True, budget=budget, units=units):
+        for p in passes.training_passes(bb, seqs, lens, kl=True, budget=budget, units=units):
             loss = 0.0
             for j, i in enumerate(p.index):
                 r = lens[i]
@@ -84,7 +88,7 @@ def dense_iteration(pi, mu, trajs, engine="fast"):
     args = arco.resolve_args(arco.Args(token_reduction="mean", kl_mu=0.05, engine=engine, pass_tokens=200))
     contexts, rubrics, d, s = arco.annotate(mu, trajs, args)
     A, _ = arco.advantages(trajs, s, True, args)
-    opt_pi = torch.optim.SGD(rm.trainable_parameters(pi.model), lr=0.0)
+    opt_pi = torch.optim.SGD(models.trainable_parameters(pi.model), lr=0.0)
     policy = arco.policy_update(pi, opt_pi, trajs, A, args, 0.05)
     opt_mu = torch.optim.SGD(mu.parameter_groups(0.0, 0.0), lr=0.0)
     rubric = arco.rubric_update(mu, opt_mu, trajs, contexts, rubrics, args)
@@ -119,7 +123,7 @@ def test_one_iteration_is_the_same_on_both_engines(tiny_dir):
 # ----------------------------------------------------------------------------- generation: rollouts and rubrics
 def rollouts(bb, examples, temperature, seeds=None):
     """π's rollouts of `examples` (env.rollout with policy_act), each step's generated ids."""
-    trajs = env.rollout(examples, rm.policy_act(bb, temperature, 12, 2), TitleRetriever(), seeds=seeds)
+    trajs = env.rollout(examples, passes.policy_act(bb, temperature, 12, 2), TitleRetriever(), seeds=seeds)
     return trajs, [[st.output_ids for st in t.steps] for t in trajs]
 
 
@@ -137,7 +141,7 @@ def both_engines(bb, run):
     """`run(bb)` with the backbone's engine set to fast, then plain (the engine is read at each call)."""
     out = {}
     for engine in ("fast", "plain"):
-        bb.engine = engine
+        bb.engine = engines.ENGINES[engine]
         out[engine] = run(bb)
     return out["fast"], out["plain"]
 
@@ -170,7 +174,7 @@ def test_seeded_sampled_rollouts_are_the_same_on_both_engines(tiny_any_dir):
 def test_the_embedded_model_writes_the_same_rollouts_and_rubrics_on_both_engines(smol_dir):
     """The same on the embedded SmolLM2 (float32, autocast off), 2 synthetic questions: greedy rollouts, and μ's
     greedy rubrics of their steps."""
-    bb = rm.load_backbone(str(smol_dir), device="cpu", autocast="off")
+    bb = models.load_backbone(str(smol_dir), device="cpu", autocast="off", engine=FAST)
     examples = env.synthetic_examples(2, split="dev")
     (trajs, fast_ids), (_, plain_ids) = both_engines(bb, lambda b: rollouts(b, examples, 0.0))
     assert fast_ids == plain_ids
@@ -182,13 +186,13 @@ def test_the_embedded_model_writes_the_same_rollouts_and_rubrics_on_both_engines
 
 # ----------------------------------------------------------------------------- --engine plain, end to end
 def no_fast_engine(monkeypatch):
-    """Every public function and class of fast.py, and its entry in rubric_model.ENGINES, raise when used."""
+    """Every public function and class of infra/fast.py, and its entry in infra.engines.ENGINES, raise when used."""
     def refuse(*a, **kw):
         raise AssertionError("fast.py was used by a --engine plain run")
     for name, value in vars(fast).items():
-        if not name.startswith("_") and callable(value) and getattr(value, "__module__", None) == "fast":
+        if not name.startswith("_") and callable(value) and getattr(value, "__module__", None) == "infra.fast":
             monkeypatch.setattr(fast, name, refuse)
-    monkeypatch.setitem(rm.ENGINES, "fast", rm.Engine(passes=refuse, decode=refuse, memo=refuse, check=refuse))
+    monkeypatch.setitem(engines.ENGINES, "fast", passes.Engine(passes=refuse, decode=refuse, memo=refuse, check=refuse))
 
 
 def test_a_plain_run_never_uses_fast_and_resumes_to_the_same_numbers(tiny_dir, tmp_path, monkeypatch):
@@ -198,7 +202,7 @@ def test_a_plain_run_never_uses_fast_and_resumes_to_the_same_numbers(tiny_dir, t
     the uninterrupted run's metrics.jsonl, exactly (computed here: no numbers recorded elsewhere)."""
     no_fast_engine(monkeypatch)
     with pytest.raises(AssertionError, match="fast.py was used"):       # the fast engine is out of reach
-        rm.load_backbone(str(tiny_dir), device="cpu", engine="fast")
+        models.load_backbone(str(tiny_dir), device="cpu", engine=engines.ENGINES["fast"])
     argv = dict(engine="plain", autocast="off")
     arco.main(tiny_args(tiny_dir, tmp_path, **argv))
     ref = tmp_path / "synthetic" / "arco"
@@ -235,7 +239,7 @@ def test_decoding_keeps_keys_in_the_values_dtype_with_the_same_numbers(tiny_any_
     contexts = [c for t in rollouts(bb, examples, 0.0)[0] for c in rm.contexts_from_trajectory(t)]
 
     def memo_after_a_rollout():
-        policy = rm.policy_act(bb, 0.0, 12, 2)
+        policy = passes.policy_act(bb, 0.0, 12, 2)
         env.rollout(examples, policy, TitleRetriever())
         return next(c.cell_contents for c in policy.__closure__ if isinstance(c.cell_contents, fast.PromptMemo))
     (_, ids), (_, d), memo = rollouts(bb, examples, 0.0), greedy_rubrics(bb, contexts), memo_after_a_rollout()
@@ -275,7 +279,7 @@ def test_autocast_runs_on_bf16_copies_of_the_frozen_weights_with_the_same_number
         assert all(m.weight.dtype == torch.bfloat16 for m in frozen + lora)
         assert pi.model.get_input_embeddings().weight.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in pi.model.parameters())
-    monkeypatch.setattr(rm.Backbone, "lower_frozen_weights", lambda self: [])
+    monkeypatch.setattr(models.Backbone, "lower_frozen_weights", lambda self: [])
     _, cast = one_iteration()
     assert swapped[0] == cast[0] and sum(map(len, cast[0])) >= 3                     # rollouts' tokens
     torch.testing.assert_close(swapped[1], cast[1], rtol=0, atol=0)                  # s_t
@@ -286,11 +290,11 @@ def test_autocast_runs_on_bf16_copies_of_the_frozen_weights_with_the_same_number
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad(), pi.autocast():
         before = pi.model(input_ids=ids).logits
-    rm.merge_lora(pi)                     # lora_B ≠ 0: the merged weights differ from the copies made before
+    models.merge_lora(pi)                     # lora_B ≠ 0: the merged weights differ from the copies made before
     assert pi.lowered == []
     with torch.no_grad(), pi.autocast():
         merged = pi.model(input_ids=ids).logits
-    monkeypatch.setattr(rm.Backbone, "lower_frozen_weights", lambda self: [])
+    monkeypatch.setattr(models.Backbone, "lower_frozen_weights", lambda self: [])
     with torch.no_grad(), pi.autocast():
         assert torch.equal(merged, pi.model(input_ids=ids).logits) and not torch.equal(merged, before)
 
@@ -299,7 +303,7 @@ def test_the_memo_lets_a_stored_prompt_go_after_its_last_reader(tiny_dir):
     """fast.PromptMemo: each stored prompt's keys/values are let go as soon as the last prompt of the call that
     starts with it has been prefilled, so the previous round's memo shrinks while this round's grows (RESULTS,
     "memory"); which entry a prompt reads is the longest stored beginning, as before."""
-    bb = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
+    bb = models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST)
     memo = fast.PromptMemo()
     memo.begin(bb, [])
     kv_a, kv_b = [(torch.ones(1), torch.ones(1))], [(torch.zeros(1), torch.zeros(1))]

@@ -1,4 +1,5 @@
-"""env.py: loaders, synthetic worlds, action parser, environment rules, rollout, data errors."""
+"""env.py (and infra/data.py beneath it): loaders, synthetic worlds, action parser, environment rules, rollout,
+data errors, the data check (lab.diagnostics --check-files)."""
 import json
 import os
 import subprocess
@@ -7,10 +8,13 @@ import sys
 import pytest
 import torch
 
-import diagnostics
+from lab import diagnostics
 
 import env
 from conftest import REPO
+from infra import files
+from infra import data
+from lab import truth
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -114,8 +118,8 @@ def test_official_file_names_are_found(tmp_path):
     write_jsonl(tmp_path / "musique" / "musique_ans_v1.0_dev.jsonl", [MUSIQUE])
     (tmp_path / "hotpotqa").mkdir()
     (tmp_path / "hotpotqa" / "hotpot_dev_distractor_v1.json").write_text(json.dumps([HOTPOT]))
-    assert env.find_data_file("musique", "dev", tmp_path).name == "musique_ans_v1.0_dev.jsonl"
-    assert env.find_data_file("hotpotqa", "dev", tmp_path).name == "hotpot_dev_distractor_v1.json"
+    assert data.find_data_file("musique", "dev", tmp_path).name == "musique_ans_v1.0_dev.jsonl"
+    assert data.find_data_file("hotpotqa", "dev", tmp_path).name == "hotpot_dev_distractor_v1.json"
 
 
 def test_skip_reasons(tmp_path):
@@ -129,7 +133,7 @@ def test_skip_reasons(tmp_path):
 
 @pytest.mark.parametrize("dataset,n_train,n_dev", [("hotpotqa", 400, 300), ("2wiki", 400, 100), ("musique", 299, 296)])
 def test_shared_data_every_example_loads(data_dir, dataset, n_train, n_dev):
-    rows = env.load_report([dataset], ["train", "dev"], data_dir)
+    rows = diagnostics.load_report([dataset], ["train", "dev"], data_dir)
     assert [(r["split"], r["loaded"], r["skipped"]) for r in rows] == [("train", n_train, "0"), ("dev", n_dev, "0")]
     for ex in env.load_split(dataset, "dev", data_dir=data_dir):
         assert ex.question and ex.answers[0] and len(ex.paragraphs) >= 2 and ex.supporting
@@ -141,7 +145,8 @@ def test_shared_data_every_example_loads(data_dir, dataset, n_train, n_dev):
 
 
 def test_env_cli_reports_every_file(data_dir):
-    r = subprocess.run([sys.executable, "env.py", "--dataset", "all", "--split", "all", "--data-dir", data_dir],
+    r = subprocess.run([sys.executable, "-m", "lab.diagnostics", "--check-files", "--dataset", "all", "--split", "all",
+                        "--data-dir", data_dir],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
@@ -211,13 +216,13 @@ def test_step_usefulness_labels_a_long_chain_by_hand(retriever):
     ex = env.load_split("synthetic-long", "dev", size=1)[0]
     titles = [t for t, _ in ex.paragraphs]
     gold = env.rollout([ex], oracle([ex]), retriever)[0]
-    assert gold.reward == 1.0 and env.step_usefulness(gold) == [True] * (len(ex.hops) + 1)
+    assert gold.reward == 1.0 and truth.step_usefulness(gold) == [True] * (len(ex.hops) + 1)
     a = titles[ex.hops[0]["paragraph"]]
     alike = next(t for t in titles if t != a and t.split(" ", 1)[-1] == a.split(" ", 1)[1])
     script = scripted({ex.question: [f"Search[{a}]", f"Search[{alike}]", f"Search[{a}]", "Finish[nowhere at all]"]})
     traj = env.rollout([ex], script, retriever)[0]
     assert [st.retrieved for st in traj.steps[:3]] == [titles.index(a), titles.index(alike), titles.index(a)]
-    assert env.step_usefulness(traj) == [True, False, False, False] and traj.reward == 0.0
+    assert truth.step_usefulness(traj) == [True, False, False, False] and traj.reward == 0.0
 
 
 def test_oracle_gets_reward_one_on_every_synthetic_example(retriever):
@@ -432,15 +437,16 @@ def test_failed_download_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("ARCO_DATA_DIR", raising=False)
     monkeypatch.setenv("ARCO_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setitem(env.DOWNLOADS["hotpotqa"], "dev", ("http://127.0.0.1:9/hotpot_dev.json", None, "dev.json"))
+    monkeypatch.setitem(data.DOWNLOADS["hotpotqa"], "dev", ("http://127.0.0.1:9/hotpot_dev.json", None, "dev.json"))
     with pytest.raises(env.DataError, match="the download failed") as e:
-        env.find_data_file("hotpotqa", "dev", tmp_path)
+        data.find_data_file("hotpotqa", "dev", tmp_path)
     assert "--dataset synthetic" in str(e.value)
     assert not (tmp_path / "cache" / "data" / "hotpotqa" / "dev.json").exists()
 
 
 def run_cli(*argv, **kw):
-    return subprocess.run([sys.executable, "env.py", *argv], cwd=REPO, capture_output=True, text=True,
+    """The data check of the lab's diagnostics (formerly `python env.py`): every file of --dataset/--split loaded."""
+    return subprocess.run([sys.executable, "-m", "lab.diagnostics", "--check-files", *argv], cwd=REPO, capture_output=True, text=True,
                           timeout=120, env={**os.environ, **kw})
 
 
@@ -465,24 +471,24 @@ def test_cli_errors(tmp_path):
 
 
 def test_the_one_jsonl_reader_and_writer(tmp_path, monkeypatch):
-    """env.write_jsonl / read_jsonl / write_json: appends add, a line cut short by a kill is dropped (and
+    """files.write_jsonl / read_jsonl / write_json: appends add, a line cut short by a kill is dropped (and
     truncated away with repair), a bad line elsewhere names itself, and the API key never reaches disk."""
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret-1234")
     path = tmp_path / "sub" / "rows.jsonl"
-    env.write_jsonl(path, [{"a": 1}, {"b": "é"}])
-    env.write_jsonl(path, [{"c": "key sk-secret-1234 echoed"}], append=True)
-    assert env.read_jsonl(path) == [{"a": 1}, {"b": "é"}, {"c": "key [redacted] echoed"}]
+    files.write_jsonl(path, [{"a": 1}, {"b": "é"}])
+    files.write_jsonl(path, [{"c": "key sk-secret-1234 echoed"}], append=True)
+    assert files.read_jsonl(path) == [{"a": 1}, {"b": "é"}, {"c": "key [redacted] echoed"}]
     assert "é" in path.read_text(encoding="utf-8")                     # UTF-8, not \u escapes
     with open(path, "a") as f:
         f.write('{"d": ')                                               # a kill mid-line
-    assert len(env.read_jsonl(path)) == 3 and path.read_text().endswith('{"d": ')
-    assert len(env.read_jsonl(path, repair=True)) == 3 and path.read_text().endswith("}\n")
-    env.write_jsonl(path, [{"e": 5}])                                   # not append: replaced
-    assert env.read_jsonl(path) == [{"e": 5}] and env.read_jsonl(tmp_path / "none.jsonl") == []
+    assert len(files.read_jsonl(path)) == 3 and path.read_text().endswith('{"d": ')
+    assert len(files.read_jsonl(path, repair=True)) == 3 and path.read_text().endswith("}\n")
+    files.write_jsonl(path, [{"e": 5}])                                   # not append: replaced
+    assert files.read_jsonl(path) == [{"e": 5}] and files.read_jsonl(tmp_path / "none.jsonl") == []
     path.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
     with pytest.raises(ValueError, match=r"rows.jsonl:2: not valid JSON"):
-        env.read_jsonl(path)
-    env.write_json(tmp_path / "m.json", {"k": "sk-secret-1234"})
+        files.read_jsonl(path)
+    files.write_json(tmp_path / "m.json", {"k": "sk-secret-1234"})
     assert json.loads((tmp_path / "m.json").read_text()) == {"k": "[redacted]"}
     assert not (tmp_path / "m.json.tmp").exists()
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import arco
-import study
+from lab import study
+from lab import truth
 
 V = json.loads((Path(__file__).parent / "vectors.json").read_text())
 
@@ -104,7 +105,7 @@ def test_decomposition_loss_of_a_pass_counts_only_its_trajectories():
 
 @pytest.mark.parametrize("case", V["projection_credit"])
 def test_projection_credit(case):
-    s = study.projection_credit(case["useful"], case["R"])
+    s = truth.projection_credit(case["useful"], case["R"])
     assert s == pytest.approx(case["s"]) and sum(s) == pytest.approx(case["R"])           # Σ_t s_t = R(τ)
     useful = [x for x, u in zip(s, case["useful"]) if u]
     assert all(u > x for u in useful for x, k in zip(s, case["useful"]) if not k)         # order kept
@@ -114,13 +115,13 @@ def test_projection_credit(case):
 def test_causal_credit(case):
     """The causal oracle (issue 41): Σ_t s_t = R, Eq. 3's G_t = R − Φ(h_t), and no step's score reads a later
     step: the same prefix gives the same scores before the last step whatever follows."""
-    s = study.causal_credit(case["found"], case["n_hops"], case["R"])
+    s = truth.causal_credit(case["found"], case["n_hops"], case["R"])
     assert s == pytest.approx(case["s"]) and sum(s) == pytest.approx(case["R"])
     assert arco.reward_to_go(s) == pytest.approx(case["G"])
     for t in range(len(s) - 1):
         for tail in ([True], [False, False], [True, True, False]):
             for R in (0.0, 1.0):
-                other = study.causal_credit(case["found"][:t + 1] + tail, case["n_hops"], R)
+                other = truth.causal_credit(case["found"][:t + 1] + tail, case["n_hops"], R)
                 assert other[:t + 1] == pytest.approx(s[:t + 1])
 
 

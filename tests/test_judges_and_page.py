@@ -14,7 +14,7 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 
-import diagnostics as dg
+from lab import diagnostics as dg
 from conftest import ChatServer
 
 KEY = "sk-judge-test-key-9876543210"

@@ -25,24 +25,27 @@ KILL_POINTS = [
     ("warmup.policy_sft_backward", 1),      # π SFT, its first batch
     ("warmup.rubric_sft_backward", 2),      # μ SFT, second batch
     ("warmup.fit_score_head", 1),           # μ's score-head fit
-    ("plumbing.log_evaluation", 1),         # epoch 0 (SFT only) evaluation, before it is logged
+    ("runs.RunFolder.log_evaluation", 1),   # epoch 0 (SFT only) evaluation, before it is logged
     ("arco.policy_update", 1),              # sparse epoch, first batch: π's update
     ("arco.rubric_update", 2),              # sparse epoch, second batch: μ's update
-    ("arco.evaluate_policy", 1),            # the epoch-2 evaluation (the cpu preset evaluates no sparse epoch)
-    ("plumbing.write_manifest", 1),         # the middle of writing epoch 1's checkpoint
+    ("arco.dev_evaluation", 1),             # the epoch-2 evaluation (the cpu preset evaluates no sparse epoch)
+    ("runs.write_manifest", 1),             # the middle of writing epoch 1's checkpoint
     ("arco.annotate", 3),                   # dense epoch: μ's rubrics
     ("arco.policy_update", 3),              # dense epoch: π's update
-    ("arco.write_selection", 1),            # after the last checkpoint, before the selection and report
+    ("runs.RunFolder.report", 1),           # after the last checkpoint, before the selection and report
 ]
-FAST = {("arco.policy_update", 1), ("plumbing.write_manifest", 1)}   # the two every CI run takes
+FAST = {("arco.policy_update", 1), ("runs.write_manifest", 1)}       # the two every CI run takes
 
 DRIVER = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-import arco, plumbing, warmup
+import arco, warmup
+from infra import runs
 target, n = sys.argv[1], int(sys.argv[2])
-module, name = target.split(".")
-module = {{"arco": arco, "plumbing": plumbing, "warmup": warmup}}[module]
+*owner, name = target.split(".")
+module = {{"arco": arco, "runs": runs, "warmup": warmup}}[owner[0]]
+for part in owner[1:]:                      # a method: runs.RunFolder.report
+    module = getattr(module, part)
 real, calls = getattr(module, name), [0]
 def killing(*a, **kw):
     calls[0] += 1

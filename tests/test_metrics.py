@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import config  # noqa: E402
+from infra import memory  # noqa: E402
 import evaluate  # noqa: E402
 from evaluate import (PredictionError, exact_match, f1_score, format_table,  # noqa: E402
                       normalize_answer, read_predictions, score_predictions)
@@ -216,7 +216,7 @@ def test_report_predictions_errors_exit_2(tmp_path, capsys):
     assert capsys.readouterr().err == f"error: {path}:2: unknown id 'abc' (not in fake/dev)\n"
 
 
-# --------------------------------------------------------------------------- CLI: python env.py --predictions
+# --------------------------------------------------------------------------- CLI: python -m lab.diagnostics --predictions
 
 
 def hotpot_record(qid, question, answer, qtype):
@@ -237,7 +237,7 @@ def run_cli(tmp_path, pred_lines):
     ])
     preds = write(tmp_path / "preds.jsonl", pred_lines)
     env = {k: v for k, v in os.environ.items() if k != "ARCO_DATA_DIR"}
-    return subprocess.run([sys.executable, "env.py", "--predictions", str(preds), "--dataset", "hotpotqa",
+    return subprocess.run([sys.executable, "-m", "lab.diagnostics", "--predictions", str(preds), "--dataset", "hotpotqa",
                            "--split", "dev", "--data-dir", str(data)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300), preds
 
@@ -263,49 +263,50 @@ def test_cli_real_env_unknown_id(tmp_path):
 
 def test_a_phase_hands_what_it_freed_back_to_the_os(monkeypatch):
     """RESULTS' memory profile: glibc keeps freed tensors' blocks in its heap unless trimmed, so every phase
-    ends with config.release_memory. 3,000 tensors of 64 KiB (below any mmap threshold: heap blocks), all
+    ends with memory.release_memory. 3,000 tensors of 64 KiB (below any mmap threshold: heap blocks), all
     freed but the last, which pins the heap's top: after the phase the resident memory is back where it
     started; with the release switched off it stays ~190 MiB higher (the same code checks itself)."""
     if not os.path.exists("/proc/self/statm"):
         pytest.skip("resident memory is read from /proc (Linux)")
     import torch
 
-    def grow_and_free(memory):
-        config.release_memory()          # what earlier tests freed would otherwise absorb the growth
-        before = memory.rss_gib()
-        with memory.phase("allocate"):
+    def grow_and_free(phases):
+        memory.release_memory()          # what earlier tests freed would otherwise absorb the growth
+        before = phases.rss_gib()
+        with phases.phase("allocate"):
             xs = [torch.ones(16 * 1024) for _ in range(3000)]
             kept = xs[-1]
             del xs
-        return before, memory.rss_gib(), memory.stats["allocate"], kept
+        return before, phases.rss_gib(), phases.stats["allocate"], kept
 
-    before, after, stats, _ = grow_and_free(config.PhaseMemory())
+    before, after, stats, _ = grow_and_free(memory.PhaseMemory())
     assert stats["peak_gib"] - before > 0.15 and stats["runs"] == 1 and stats["seconds"] > 0
     assert after - before < 0.05, (before, after)
-    monkeypatch.setattr(config, "release_memory", lambda: None)
-    before, after, _, _ = grow_and_free(config.PhaseMemory())
+    monkeypatch.setattr(memory, "release_memory", lambda: None)
+    before, after, _, _ = grow_and_free(memory.PhaseMemory())
     assert after - before > 0.15, "without the release the heap keeps the freed blocks (the test's premise)"
 
 
 ONEDNN_PROBE = """
 import sys
 sys.path.insert(0, {root!r})
-import torch, config
+import torch
+from infra import memory
 if {capped}:
-    config.steady_heap()
+    memory.steady_heap()
 torch.set_num_threads(1)
 w, x = torch.randn(1536, 576), torch.randn(400, 576)
-before = config.MEMORY.rss_gib()
+before = memory.MEMORY.rss_gib()
 with torch.autocast("cpu", dtype=torch.bfloat16):
     for rows in range(20, 420):                    # 400 token counts: 400 matrix shapes
         torch.nn.functional.linear(x[:rows], w)
-config.release_memory()
-print(config.MEMORY.rss_gib() - before)
+memory.release_memory()
+print(memory.MEMORY.rss_gib() - before)
 """
 
 
 def test_the_bf16_kernels_oneDNN_keeps_are_capped(monkeypatch):
-    """config.steady_heap caps oneDNN's cache of compiled bf16 matmul kernels (one per matrix shape, about
+    """infra.memory.steady_heap caps oneDNN's cache of compiled bf16 matmul kernels (one per matrix shape, about
     0.8 MiB each, 1024 kept by default; every new token count makes new ones): the autocast path held
     0.8 GiB of them (issue 43). A fresh process runs 400 shapes with and without the cap, and the user's
     own ONEDNN_PRIMITIVE_CACHE_CAPACITY is left alone."""
@@ -320,5 +321,5 @@ def test_the_bf16_kernels_oneDNN_keeps_are_capped(monkeypatch):
         pytest.skip(f"this CPU's bf16 matmuls keep no kernels per shape ({uncapped:.3f} GiB without the cap)")
     assert growth(True) < uncapped - 0.1, uncapped
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7")
-    config.steady_heap()
+    memory.steady_heap()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"

@@ -9,9 +9,12 @@ import pytest
 import torch
 
 import arco
-import fast
-import plumbing
+from infra import fast
+from infra import estimate
 import rubric_model as rm
+from infra import models
+from infra import passes
+from infra.fast import FAST
 
 SHRUNK = dict(train_size=4, eval_size=3, epochs=2, sparse_epochs=1, batch_size=4, warmup_size=4, warmup_samples=2,
               warmup_probe=4, sft_epochs_pi=1, sft_epochs_mu=1, sft_batch_pi=8, sft_batch_mu=8, max_new_tokens_pi=8,
@@ -36,7 +39,7 @@ def well_formed(policy_act):
             out = []
             for g in act(prompts, seeds):
                 text = "Search[film director]" if next(count) % 2 else "Finish[yes]"
-                out.append(rm.Generation(text, rm.encode_response(pi, text), g.prompt_ids))
+                out.append(passes.Generation(text, passes.encode_response(pi, text), g.prompt_ids))
             return out
         return replies
     return make
@@ -66,7 +69,7 @@ def test_the_paper_preset_runs_end_to_end_on_a_tiny_qwen3_in_bf16(tiny_qwen3_dir
     assert dense["policy_loss"] != 0 and dense["decomposition_mse"] > 0 and dense["kl_pi"] >= 0
     assert [r["epoch"] for r in rows if r["kind"] == "eval"] == [0, 1, 2]
     assert json.loads((run / "selection.json").read_text())["selected_epoch"] == 2
-    pi, _ = rm.load_backbone_checkpoint(run / "checkpoints" / "epoch_2" / "pi", device="cpu", dtype="bfloat16")
+    pi, _ = models.load_backbone_checkpoint(run / "checkpoints" / "epoch_2" / "pi", device="cpu", dtype="bfloat16", engine=FAST)
     assert type(pi.model.get_base_model()).__name__ == "Qwen3ForCausalLM"
     assert next(pi.model.get_base_model().parameters()).dtype == torch.bfloat16
     moved = [p for n, p in pi.model.named_parameters() if "lora_B" in n and p.abs().sum() > 0]
@@ -79,17 +82,17 @@ def test_parameter_count_from_the_shape_is_the_models(fixture, request):
     """memory_estimate counts weights from a config alone; on both tiny architectures (tied and untied) the
     count is the loaded model's."""
     folder = request.getfixturevalue(fixture)
-    bb = rm.load_backbone(str(folder), device="cpu")
-    assert plumbing._parameters(rm.model_shape(str(folder))) == sum(p.numel() for p in bb.model.parameters())
+    bb = models.load_backbone(str(folder), device="cpu", engine=FAST)
+    assert estimate._parameters(models.model_shape(str(folder))) == sum(p.numel() for p in bb.model.parameters())
 
 
 def test_a_random_model_of_a_public_shape_has_its_size_and_the_same_weights_each_time():
-    a = rm.load_backbone("random:SmolLM2-135M", device="cpu")
-    assert sum(p.numel() for p in a.model.parameters()) == plumbing._parameters(rm.SHAPES["SmolLM2-135M"]) == 134_515_008
-    b = rm.load_backbone("random:SmolLM2-135M", device="cpu")
+    a = models.load_backbone("random:SmolLM2-135M", device="cpu", engine=FAST)
+    assert sum(p.numel() for p in a.model.parameters()) == estimate._parameters(models.SHAPES["SmolLM2-135M"]) == 134_515_008
+    b = models.load_backbone("random:SmolLM2-135M", device="cpu", engine=FAST)
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
-    with pytest.raises(rm.ModelLoadError, match="random:"):
-        rm.model_shape("random:NoSuchModel")
+    with pytest.raises(models.ModelLoadError, match="random:"):
+        models.model_shape("random:NoSuchModel")
 
 
 def test_activation_bytes_per_token_match_what_autograd_saves(tiny_qwen3_dir, tiny_dir):
@@ -99,7 +102,7 @@ def test_activation_bytes_per_token_match_what_autograd_saves(tiny_qwen3_dir, ti
     token, per row's tree mask, per response token's logits — within 25%."""
     for folder in (tiny_dir, tiny_qwen3_dir):
         for dtype in ("float32", "bfloat16"):
-            bb = rm.add_lora(rm.load_backbone(str(folder), device="cpu", dtype=dtype, autocast="off"))
+            bb = models.add_lora(models.load_backbone(str(folder), device="cpu", dtype=dtype, autocast="off", engine=FAST))
             bb.model.train()
             weights = {p.untyped_storage().data_ptr() for p in bb.model.parameters()}
             g = torch.Generator().manual_seed(0)
@@ -114,10 +117,10 @@ def test_activation_bytes_per_token_match_what_autograd_saves(tiny_qwen3_dir, ti
                 return t
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 fast.packed_steps(bb, seqs, lens, None, ref)
-            per = plumbing._token_bytes(bb.model.config.to_dict(), 4 if dtype == "float32" else 2)
-            estimate = 384 * per["activations"] + 384 ** 2 * per["mask"] + sum(lens) * per["logits"]
-            assert estimate == pytest.approx(sum(seen.values()) + sum(r.numel() * 4 for r in ref), rel=0.25), \
-                (folder.name, dtype, estimate, sum(seen.values()))
+            per = estimate._token_bytes(bb.model.config.to_dict(), 4 if dtype == "float32" else 2)
+            counted = 384 * per["activations"] + 384 ** 2 * per["mask"] + sum(lens) * per["logits"]
+            assert counted == pytest.approx(sum(seen.values()) + sum(r.numel() * 4 for r in ref), rel=0.25), \
+                (folder.name, dtype, counted, sum(seen.values()))
 
 
 def test_the_estimate_holds_a_decoding_batch_twice_its_first_keys_in_the_weights_dtype():
@@ -129,7 +132,7 @@ def test_the_estimate_holds_a_decoding_batch_twice_its_first_keys_in_the_weights
     for path in ("on", "off"):
         args = arco.resolve_args(arco.Args(dataset="hotpotqa", model="random:SmolLM2-135M", engine="plain",
                                            device="cpu", dtype="float32", autocast=path))
-        rows[path] = plumbing.memory_estimate(args)["rollout KV cache"]
+        rows[path] = estimate.memory_estimate(args)["rollout KV cache"]
     # μ's batch is the longer (its reply): 32 prompts × (350 + 3 searches × (300/4 + 30) + π's 32 + μ's 64)
     assert (args.gen_batch, args.obs_chars, args.max_new_tokens_pi, args.max_new_tokens_mu) == (32, 300, 32, 64)
     assert rows["off"] == pytest.approx(32 * 761 * (46_080 + 46_080) / 2 ** 30)

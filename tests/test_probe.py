@@ -10,7 +10,10 @@ import torch
 import arco
 import env
 import rubric_model as rm
-import probe
+from lab import probe
+from infra import models
+from infra import files
+from infra.fast import FAST
 
 
 def test_the_count_sketch_keeps_cosines_on_a_small_case():
@@ -96,10 +99,10 @@ def test_scheme_advantages_by_hand():
 def test_per_step_gradients_add_up_to_the_packed_true_gradient(tiny_dir, tmp_path):
     """On a tiny model: Σ_τ A_τ Σ_t (sketched ∇ log π(a_t|h_t)) over the pool's per-step gradients equals the g*
     that true_gradient computes in packed passes of whole trajectories (the same estimator, two paths)."""
-    pi = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
+    pi = models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST)
     torch.manual_seed(0)
-    rm.add_lora(pi, dropout=0.0)
-    for p in rm.trainable_parameters(pi.model):
+    models.add_lora(pi, dropout=0.0)
+    for p in models.trainable_parameters(pi.model):
         p.data.normal_(0, 0.05)
     qs = env.synthetic_examples(2)
     trajs = [Script.make(qs[0], ["Search[a]", "Finish[x]"], 1.0), Script.make(qs[0], ["Finish[y]"], 0.0),
@@ -107,7 +110,7 @@ def test_per_step_gradients_add_up_to_the_packed_true_gradient(tiny_dir, tmp_pat
     for t in trajs:
         for k, st in enumerate(t.steps):
             st.prompt = env.policy_messages(t.example.question, env.format_history(t.steps[:k]), st.searches_left)
-    sketch = probe.Sketch(rm.trainable_parameters(pi.model), 2048, seed=0)
+    sketch = probe.Sketch(models.trainable_parameters(pi.model), 2048, seed=0)
     grads = probe.step_gradients(pi, trajs, sketch, tmp_path / "grads.pt", tmp_path / "sketch.json", check=3)
     assert grads.shape == (7, 2048) and (tmp_path / "sketch.json").is_file()
     again = probe.step_gradients(pi, trajs, sketch, tmp_path / "grads.pt", tmp_path / "sketch.json")
@@ -266,7 +269,7 @@ def test_branched_values_equal_their_values_by_enumeration(monkeypatch, tmp_path
     (0.6, 0.4, 0.8), Q̂ ≈ (0.4, 0.8, 1) from 400 continuations each (3σ ≤ 0.075). The halves average to the whole."""
     q = env.synthetic_examples(1)[0]
     act, hop1, distractor = world_policy(q, stochastic)
-    monkeypatch.setattr(probe.rubric_model, "policy_act", lambda pi, *a: act)
+    monkeypatch.setattr(probe.passes, "policy_act", lambda pi, *a: act)
     monkeypatch.setattr(probe.env, "shared_retriever", lambda *a: Titles)
     n = 400 if stochastic else 4
     monkeypatch.setattr(probe, "BRANCH", dict(questions=1, continuations=n, root=n, chunk=2))
@@ -287,7 +290,7 @@ def test_branched_values_equal_their_values_by_enumeration(monkeypatch, tmp_path
     for k in range(3):
         assert (values["a"][0]["V"][k] + values["b"][0]["V"][k]) / 2 == pytest.approx(V[k])
     again = probe.branch_rollouts(None, [t], args, tmp_path / "branches.jsonl", 0, "fp")   # resumed: nothing new
-    assert again == done and len(env.read_jsonl(tmp_path / "branches.jsonl")) == 3
+    assert again == done and len(files.read_jsonl(tmp_path / "branches.jsonl")) == 3
     with pytest.raises(env.DataError, match="another pool"):
         probe.branch_rollouts(None, [t], args, tmp_path / "branches.jsonl", 0, "other")
     adv = {name: probe.scheme_advantages(name, [0], [t], {}, None, "8x1", 0.5, True, values["full"])[0]

@@ -1,9 +1,9 @@
-"""The documentation's commands are real. Every `python …` line of the README's code blocks names a script (and
-subcommand) that runs with `--help`, and every `--flag` on the line is one that script knows; no stale command
-form survives in README.md, RESULTS.md, CHOICES.md or PORTING.md except on a line that quotes history as
-"(as run then; today: …)"; CHOICES.md's flag table names exactly the options `arco.py --help` lists; and the
-README's `arco.Credit` example builds its arguments and a credit whose scores sum to R. Only `--help` runs
-(in parallel): nothing loads a model or data."""
+"""The documentation's commands are real. Every `python …` line of the README's code blocks names a script (or a
+lab program run as `python -m lab.<program>`, and its subcommand) that runs with `--help`, and every `--flag` on
+the line is one that program knows; no stale command form survives in README.md, RESULTS.md, CHOICES.md or
+PORTING.md except on a line that quotes history as "(as run then; today: …)"; CHOICES.md's flag table names
+exactly the options `arco.py --help` lists; and the README's seam example registers a scorer whose scores sum to R
+and builds its run. Only `--help` runs (in parallel): nothing loads a model or data."""
 import os
 import re
 import shlex
@@ -17,11 +17,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "RESULTS.md", "CHOICES.md", "PORTING.md"]
-SUBCOMMANDS = {"study.py": {"ladder", "fork"}, "benchmark.py": {"passes", "parse-rate", "loop", "sample"}}
-# Scripts that take arco.py's flags after their own (their --help says so; checked below): a flag missing from
+SUBCOMMANDS = {"lab.study": {"ladder", "fork"}, "lab.benchmark": {"passes", "parse-rate", "loop", "sample"}}
+# Programs that take arco.py's flags after their own (their --help says so; checked below): a flag missing from
 # their own help must be one of arco.py's.
-TAKES_ARCO_FLAGS = {"study.py", "probe.py"}
-MODULES = {"pytest"}                              # `python -m …` lines the README may hold
+TAKES_ARCO_FLAGS = {"lab.study", "lab.probe"}
+MODULES = {"pytest"}                              # other `python -m …` lines the README may hold
 HISTORY = "(as run then"                          # a line quoting an old command as history says so
 # Stale forms (issue 54) and what replaced them.
 STALE = {
@@ -34,6 +34,8 @@ STALE = {
     r"diagnostics\.py --study": "python study.py fork",
     r"python (?:arco|warmup)\.py[^`\n]*--(?:credit|mixed|eval-every|curve-size|criteria|head-fit|balance-finishes|"
     r"policy-samples|micro-batch)\b": "the study's own settings (CHOICES.md), or packed SFT passes",
+    r"python (?:study|probe|diagnostics|benchmark)\.py": "python -m lab.<program> (issue 59)",
+    r"python env\.py": "python -m lab.diagnostics --check-files / --predictions (issue 59)",
 }
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
@@ -73,7 +75,9 @@ def readme_commands() -> list[tuple[str, list[str]]]:
 
 
 def target(argv: list[str]) -> tuple[str, str | None]:
-    """The script and its subcommand (or None) a command line runs."""
+    """The script (`arco.py`) or lab program (`lab.study`) and its subcommand (or None) a command line runs."""
+    if argv[0] == "-m":
+        argv = argv[1:]
     script = argv[0]
     sub = argv[1] if len(argv) > 1 and argv[1] in SUBCOMMANDS.get(script, ()) else None
     return script, sub
@@ -81,7 +85,8 @@ def target(argv: list[str]) -> tuple[str, str | None]:
 
 def run_help(key: tuple[str, str | None]) -> tuple[int, str]:
     script, sub = key
-    argv = [sys.executable, script] + ([sub] if sub else []) + ["--help"]
+    argv = [sys.executable] + (["-m", script] if script.startswith("lab.") else [script]) + ([sub] if sub else []) \
+        + ["--help"]
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return p.returncode, p.stdout + p.stderr
@@ -91,7 +96,7 @@ def run_help(key: tuple[str, str | None]) -> tuple[int, str]:
 def helps() -> dict:
     """--help of every script and subcommand the README runs, of arco.py, and of the scripts that take
     arco.py's flags, in parallel."""
-    keys = {target(argv) for _, argv in readme_commands() if not argv[0].startswith("-")}
+    keys = {target(argv) for _, argv in readme_commands() if argv[0] != "-m" or argv[1].startswith("lab.")}
     keys |= {("arco.py", None)} | {(s, None) for s in TAKES_ARCO_FLAGS}
     ordered = sorted(keys, key=str)
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -100,19 +105,20 @@ def helps() -> dict:
 
 def test_the_readme_has_commands_and_stays_under_300_lines():
     commands = readme_commands()
-    assert len(commands) >= 15, commands
+    assert len(commands) >= 12, commands
     assert len(read("README.md").splitlines()) <= 300
 
 
 def test_every_readme_command_runs_with_help_and_knows_its_flags(helps):
     problems = []
     for line, argv in readme_commands():
-        if argv[0] == "-m":
+        if argv[0] == "-m" and not argv[1].startswith("lab."):
             if argv[1] not in MODULES:
                 problems.append(f"{line!r}: python -m {argv[1]}")
             continue
-        if not (ROOT / argv[0]).is_file():
-            problems.append(f"{line!r}: no script {argv[0]}")
+        program = argv[1] if argv[0] == "-m" else argv[0]
+        if not (ROOT / (program.replace(".", "/") + ".py" if argv[0] == "-m" else program)).is_file():
+            problems.append(f"{line!r}: no script {program}")
             continue
         key = target(argv)
         rc, text = helps[key]
@@ -131,7 +137,7 @@ def test_every_readme_command_runs_with_help_and_knows_its_flags(helps):
 def test_the_scripts_that_take_arco_flags_say_so(helps):
     for script in TAKES_ARCO_FLAGS:
         rc, text = helps[(script, None)]
-        assert rc == 0 and "arco.py's flags" in text, script
+        assert rc == 0 and "arco.py's flags" in text, (script, text[-300:])
 
 
 def test_no_stale_command_form_outside_quoted_history():
@@ -156,17 +162,19 @@ def test_the_choices_flag_table_names_exactly_arcos_options(helps):
     assert in_table == options, (sorted(options - in_table), sorted(in_table - options))
 
 
-def test_the_readme_credit_example_builds_its_run(monkeypatch):
+def test_the_readme_seam_example_registers_a_scorer_and_builds_its_run(monkeypatch):
     import arco
     block = [lines for lang, lines in code_blocks(read("README.md")) if lang == "python" and
-             any("arco.Credit" in line for line in lines)]
+             any("arco.register_scorer" in line for line in lines)]
     assert len(block) == 1
     ran = []
-    monkeypatch.setattr(arco, "run", lambda args, credit=None: ran.append((args, credit)))
+    monkeypatch.setattr(arco, "run", lambda args, credit=None, **kw: ran.append((args, credit)))
+    monkeypatch.setattr(arco, "SCORERS", dict(arco.SCORERS))             # the example's name is not kept
     exec(compile("\n".join(block[0]), "README.md", "exec"), {})
     (args, credit), = ran
     assert isinstance(args, arco.Args) and args.preset == "cpu" and isinstance(credit, arco.Credit)
+    credit.check()
     trajs = [SimpleNamespace(reward=r, steps=[None] * k) for r, k in ((1.0, 3), (0.0, 2), (1.0, 1))]
-    s = credit.scores(trajs)
+    s = arco.SCORERS[credit.scorer](trajs)
     assert s.shape == (6,)
     assert [round(float(s[:3].sum()), 6), round(float(s[3:5].sum()), 6), float(s[5])] == [1.0, 0.0, 1.0]

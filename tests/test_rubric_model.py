@@ -1,6 +1,7 @@
-"""Tests of rubric_model.py: backbones, LoRA, generation, log-probs and KL, and μ (§3.1, Eq. 2;
-the KL of Eq. 5); and of the fast engine's parts (fast.py: pack, token_passes, packed passes, decode,
-PromptMemo, its load check) against one pass per sequence and transformers' own generate.
+"""Tests of rubric_model.py (μ: §3.1, Eq. 2) and of what it stands on in infra/: backbones and LoRA (models.py),
+generation, log-probs and the KL of Eq. 5 (passes.py); and of the fast engine's parts (infra/fast.py: pack,
+token_passes, packed passes, decode, PromptMemo, its load check) against one pass per sequence and transformers'
+own generate.
 
 Mechanics run on two tiny random-init models that use the embedded SmolLM2 tokenizer, a Llama
 (hidden 32, tied embeddings) and a Qwen3 shaped like the paper's (heads x head_dim != hidden, untied,
@@ -17,19 +18,22 @@ import pytest
 import torch
 from torch import nn
 
-import fast
 import rubric_model as rm
-from rubric_model import (Backbone, Rubric, RubricModel, ScoreHead, StepContext, add_lora, generate, mean_pool,
-                          merge_lora, parse_criteria, reference, sequence_logprobs, token_kl)
+from infra import engines, fast, files, models, passes
+from infra.models import Backbone, add_lora, merge_lora, reference
+from infra.passes import generate, sequence_logprobs, token_kl
+from rubric_model import Rubric, RubricModel, ScoreHead, StepContext, mean_pool, parse_criteria
+from infra.fast import FAST
+from infra.passes import PLAIN
 
 
 def plain_kl(bb, prompts, responses):
     """The per-token KL(p_θ ‖ p_ref) of each response by the plain engine (one forward per sequence, then one
     with the adapter disabled): [B, R] padded with 0, and the [B, R] mask of response tokens."""
-    engine, bb.engine = bb.engine, "plain"
+    engine, bb.engine = bb.engine, PLAIN
     try:
         seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
-        (p,) = rm.training_passes(bb, seqs, [len(r) for r in responses], kl=True, budget=None,
+        (p,) = passes.training_passes(bb, seqs, [len(r) for r in responses], kl=True, budget=None,
                                   units=[list(range(len(seqs)))])
     finally:
         bb.engine = engine
@@ -40,13 +44,13 @@ def plain_kl(bb, prompts, responses):
 @pytest.fixture
 def tiny(tiny_any_dir):
     """fp32 compute (autocast off), so results can be compared with exact fp32 references."""
-    return rm.load_backbone(str(tiny_any_dir), device="cpu", autocast="off")
+    return models.load_backbone(str(tiny_any_dir), device="cpu", autocast="off", engine=FAST)
 
 
 @pytest.fixture(scope="session")
 def smol():
     """The embedded model with the default settings (bf16 autocast on a CPU with native bf16)."""
-    return rm.load_backbone(rm.EMBEDDED, device="cpu")
+    return models.load_backbone(models.EMBEDDED, device="cpu", engine=FAST)
 
 
 def perturb_lora(bb, seed, scale=0.5):
@@ -124,11 +128,11 @@ def test_score_only_pass_gives_the_full_pass_pooled_vector(tiny):
     mu = RubricModel(tiny, k=3, rubric_mode="static")
     rubrics = mu.generate_rubrics(CTX)
     seqs = mu.scoring_ids(CTX, rubrics)
-    ids, mask = rm.pad_right(seqs, tiny.tokenizer.pad_token_id, "cpu")
+    ids, mask = passes.pad_right(seqs, tiny.tokenizer.pad_token_id, "cpu")
     with torch.no_grad():
         score_only = mu.pooled(CTX, rubrics)
         full = tiny.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        hidden = rm.last_hidden_states(tiny, ids, mask)
+        hidden = passes.last_hidden_states(tiny, ids, mask)
     assert torch.allclose(score_only, mean_pool(full.hidden_states[-1], mask), atol=1e-5)
     # the score-only hidden states are exactly what the LM head reads in the full pass
     assert torch.allclose(tiny.model.get_output_embeddings()(hidden), full.logits, atol=1e-5)
@@ -181,7 +185,7 @@ def test_sequence_logprobs_matches_one_sequence_at_a_time(tiny):
         assert torch.allclose(batch.logprobs[b, :len(r)], expected, atol=1e-5)
         assert (batch.logprobs[b, len(r):] == 0).all()
     batch.sums().sum().backward()                                     # gradients reach the adapter
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in rm.trainable_parameters(tiny.model))
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in models.trainable_parameters(tiny.model))
 
 
 def test_the_kl_of_a_pass_is_zero_for_a_fresh_adapter_and_positive_after_training(tiny):
@@ -206,7 +210,7 @@ def test_lora_defaults_and_only_adapter_weights_train(tiny):
     add_lora(tiny)
     cfg = tiny.model.peft_config["default"]
     assert (cfg.r, cfg.lora_alpha, cfg.lora_dropout, sorted(cfg.target_modules)) == (8, 32, 0.05, ["q_proj", "v_proj"])
-    trainable = rm.trainable_parameters(tiny.model)
+    trainable = models.trainable_parameters(tiny.model)
     # per layer r × (in + out) for q and for v: tiny Llama 2 × 8 × ((32 + 32) + (32 + 16)) = 1792;
     # tiny Qwen3 (q out = heads × head_dim = 64, v out = 2 × 16) 2 × 8 × ((48 + 64) + (48 + 32)) = 3072
     c = tiny.model.config
@@ -252,7 +256,7 @@ def test_batched_left_padded_generation_equals_one_at_a_time(tiny):
     single = [generate(tiny, [p], max_new_tokens=6, temperature=0.0)[0] for p in prompts]
     assert [g.token_ids for g in batched] == [g.token_ids for g in single]
     for g, p in zip(batched, prompts):
-        assert g.prompt_ids == rm.chat_prompt_ids(tiny.tokenizer, p)
+        assert g.prompt_ids == passes.chat_prompt_ids(tiny.tokenizer, p)
         assert len(g.token_ids) == 6                                  # random model: never says end-of-turn
         assert g.text == tiny.tokenizer.decode(g.token_ids, skip_special_tokens=True).strip()
 
@@ -308,7 +312,7 @@ def test_static_and_none_modes_generate_nothing(tiny):
     assert rubrics[0].token_ids == rubrics[2].token_ids                # the same criteria at every step
     none = RubricModel(tiny, k=3, rubric_mode="none")
     ids = none.scoring_ids(CTX, None)
-    assert ids[0] == rm.chat_prompt_ids(tiny.tokenizer, rm.score_only_messages(CTX[0]), add_generation_prompt=False)
+    assert ids[0] == passes.chat_prompt_ids(tiny.tokenizer, rm.score_only_messages(CTX[0]), add_generation_prompt=False)
     assert "criteria" not in tiny.tokenizer.decode(ids[1])
     assert all(r.token_ids == [] for r in none.generate_rubrics(CTX))     # no rubric tokens: no KL term (Eq. 5)
     with pytest.raises(ValueError):
@@ -352,7 +356,7 @@ def test_worked_examples_are_a_saved_setting(tiny, tmp_path):
     with pytest.raises(ValueError, match="examples"):
         RubricModel(tiny, k=3, examples=3)
     RubricModel(tiny, k=3, examples=0).save(tmp_path / "mu")
-    assert RubricModel.load(tmp_path / "mu", device="cpu").examples == 0
+    assert RubricModel.load(tmp_path / "mu", device="cpu", engine=FAST).examples == 0
 
 
 # ----------------------------------------------------------------------------- save / load
@@ -379,7 +383,7 @@ def test_save_load_gives_identical_scores_and_greedy_generations(tiny, tmp_path)
     assert config["adapter"] == {"r": 4, "alpha": 32, "dropout": 0.05, "targets": ["q_proj", "v_proj"]}
     assert config["rubric_model"]["k"] == 3 and config["merged_adapters"] == 1
 
-    loaded = RubricModel.load(tmp_path / "mu", device="cpu", autocast="off")
+    loaded = RubricModel.load(tmp_path / "mu", device="cpu", autocast="off", engine=FAST)
     again = loaded.generate_rubrics(CTX, temperature=0.0, max_new_tokens=6)
     assert [r.token_ids for r in again] == [r.token_ids for r in rubrics]
     with torch.no_grad():
@@ -393,42 +397,42 @@ def test_write_atomically_leaves_nothing_when_interrupted(tmp_path):
         (folder / "config.json").write_text("{}")
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        rm.write_atomically(tmp_path / "models" / "m", broken)
+        files.write_atomically(tmp_path / "models" / "m", broken)
     assert list((tmp_path / "models").iterdir()) == []
-    rm.write_atomically(tmp_path / "models" / "m", lambda f: (f / "config.json").write_text("{}"))
+    files.write_atomically(tmp_path / "models" / "m", lambda f: (f / "config.json").write_text("{}"))
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["m"]
 
 
 def test_embedded_checkpoint_is_cached_under_arco_cache(smol_dir, monkeypatch, tmp_path):
-    assert smol_dir == rm.arco_cache() / "models" / "SmolLM2-135M-Instruct"
+    assert smol_dir == models.arco_cache() / "models" / "SmolLM2-135M-Instruct"
     assert (smol_dir / "config.json").is_file() and (smol_dir / "model.safetensors").is_file()
     config = json.loads((smol_dir / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "llama"
     monkeypatch.setenv("ARCO_CACHE", str(tmp_path))
-    assert rm.arco_cache() == tmp_path
-    assert rm.embedded_gguf_path().suffix == ".gguf"
+    assert models.arco_cache() == tmp_path
+    assert models.embedded_gguf_path().suffix == ".gguf"
 
 
 def test_offline_hub_id_gives_a_clear_error_fast(monkeypatch):
     from huggingface_hub import constants
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     start = time.perf_counter()
-    with pytest.raises(rm.ModelLoadError, match="embedded"):
-        rm.load_backbone("arco-tests/no-such-model", device="cpu")
+    with pytest.raises(models.ModelLoadError, match="embedded"):
+        models.load_backbone("arco-tests/no-such-model", device="cpu", engine=FAST)
     assert time.perf_counter() - start < 10
 
 
 def test_device_and_dtype_defaults(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert rm.resolve_dtype("auto", cpu) == torch.float32 and rm.resolve_dtype("auto", cuda) == torch.bfloat16
-    assert rm.resolve_dtype("bfloat16", cpu) == torch.bfloat16
-    assert rm.resolve_autocast("on", cpu, torch.float32) == torch.bfloat16
-    assert rm.resolve_autocast("off", cpu, torch.float32) is None
-    assert rm.resolve_autocast("auto", cuda, torch.bfloat16) is None   # bf16 weights need no autocast
-    monkeypatch.setattr(rm, "cpu_has_native_bf16", lambda: True)
-    assert rm.resolve_autocast("auto", cpu, torch.float32) == torch.bfloat16
-    monkeypatch.setattr(rm, "cpu_has_native_bf16", lambda: False)     # emulated bf16: stay in fp32
-    assert rm.resolve_autocast("auto", cpu, torch.float32) is None
+    assert models.resolve_dtype("auto", cpu) == torch.float32 and models.resolve_dtype("auto", cuda) == torch.bfloat16
+    assert models.resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert models.resolve_autocast("on", cpu, torch.float32) == torch.bfloat16
+    assert models.resolve_autocast("off", cpu, torch.float32) is None
+    assert models.resolve_autocast("auto", cuda, torch.bfloat16) is None   # bf16 weights need no autocast
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    assert models.resolve_autocast("auto", cpu, torch.float32) == torch.bfloat16
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)     # emulated bf16: stay in fp32
+    assert models.resolve_autocast("auto", cpu, torch.float32) is None
 
 
 def test_bf16_autocast_stays_close_to_fp32_and_keeps_the_reference_exact(tiny):
@@ -439,7 +443,7 @@ def test_bf16_autocast_stays_close_to_fp32_and_keeps_the_reference_exact(tiny):
     tiny.autocast_dtype = torch.bfloat16
     bf16 = sequence_logprobs(tiny, prompts, responses)
     assert torch.allclose(bf16.logprobs, fp32, atol=0.05) and bf16.logprobs.dtype == torch.float32
-    rm.merge_lora(tiny)
+    models.merge_lora(tiny)
     with torch.no_grad():
         merged = sequence_logprobs(tiny, prompts, responses).logprobs
         add_lora(tiny)
@@ -451,13 +455,13 @@ def test_bf16_autocast_stays_close_to_fp32_and_keeps_the_reference_exact(tiny):
 
 # ----------------------------------------------------------------------------- the real embedded SmolLM2
 def test_embedded_model_loads_with_its_chat_template(smol):
-    assert isinstance(smol, Backbone) and smol.name == rm.EMBEDDED
+    assert isinstance(smol, Backbone) and smol.name == models.EMBEDDED
     assert smol.model.config.hidden_size == 576 and smol.model.config.vocab_size == 49152
     assert next(smol.model.parameters()).dtype == torch.float32
-    assert smol.autocast_dtype == (torch.bfloat16 if rm.cpu_has_native_bf16() else None)
-    ids = rm.chat_prompt_ids(smol.tokenizer, [{"role": "user", "content": "hi"}])
+    assert smol.autocast_dtype == (torch.bfloat16 if models.cpu_has_native_bf16() else None)
+    ids = passes.chat_prompt_ids(smol.tokenizer, [{"role": "user", "content": "hi"}])
     assert smol.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
-    assert smol.tokenizer.convert_tokens_to_ids("<|im_end|>") in rm.end_of_turn_ids(smol)
+    assert smol.tokenizer.convert_tokens_to_ids("<|im_end|>") in passes.end_of_turn_ids(smol)
 
 
 def test_untrained_mu_writes_criteria_json_on_scripted_steps(smol):
@@ -548,13 +552,13 @@ def test_packed_pass_equals_one_pass_per_sequence(tiny):
 def transformers_generate(bb, prompts, max_new_tokens, temperature, batch_size):
     """The reference: transformers' own generate, left-padded, every sampling knob off but temperature."""
     from transformers import GenerationConfig
-    stops = rm.end_of_turn_ids(bb)
+    stops = passes.end_of_turn_ids(bb)
     pad = bb.tokenizer.pad_token_id
     knobs = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0) \
         if temperature else dict(do_sample=False)
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad, **knobs)
     out = {}
-    for batch in rm.length_batches([len(p) for p in prompts], batch_size):
+    for batch in passes.length_batches([len(p) for p in prompts], batch_size):
         width = max(len(prompts[i]) for i in batch)
         ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch])
         mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch])
@@ -587,7 +591,7 @@ def test_decode_writes_what_transformers_generate_writes(tiny, temperature, stop
     transformers' generate draws: greedy, and sampled with the same seed — also when sampled rows end
     at different steps and leave our forward pass while transformers keeps feeding them."""
     chats = [[{"role": "user", "content": f"Question {i}: " + "word " * (3 * i)}] for i in range(8 if stops else 5)]
-    prompts = [rm.chat_prompt_ids(tiny.tokenizer, c) for c in chats]
+    prompts = [passes.chat_prompt_ids(tiny.tokenizer, c) for c in chats]
     if stops:
         make_stops_likely(tiny, prompts[-1])
     torch.manual_seed(11)
@@ -619,7 +623,7 @@ def test_a_prompt_memo_gives_the_tokens_of_a_full_prefill(tiny, temperature):
     finally:
         fast._rows_from_memo = original
     assert with_memo == without
-    prompt_lens = sorted(len(rm.chat_prompt_ids(lora.tokenizer, c)) for c in second)
+    prompt_lens = sorted(len(passes.chat_prompt_ids(lora.tokenizer, c)) for c in second)
     assert len(calls) == 2 and all(0 < m < n for call in calls for m, n in zip(sorted(call), prompt_lens))
     assert len(memo.entries) == len(second)
     perturb_lora(lora, 4)
@@ -641,7 +645,7 @@ def test_greedy_rubrics_come_with_the_scores_of_a_score_pass(tiny):
 def test_decoding_stops_where_the_reply_is_complete(tiny):
     """`steer` writes its token instead of the drawn one (here: the end-of-turn token once three are written),
     as μ's JSON rubric ends where its list closes; the row then ends."""
-    prompt = rm.chat_prompt_ids(tiny.tokenizer, [{"role": "user", "content": "hi"}])
+    prompt = passes.chat_prompt_ids(tiny.tokenizer, [{"role": "user", "content": "hi"}])
     eot = tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
     (g, mean), = fast.decode(tiny, [prompt], 20, steer=lambda ids, tok, logits: eot if len(ids) >= 3 else tok,
                              hidden=True)
@@ -659,9 +663,9 @@ def test_bf16_weights_decode_score_and_train(arch, request):
     and raised 'expected m1 and m2 to have the same dtype'), and greedy decoding writes what transformers'
     generate writes."""
     folder = request.getfixturevalue("tiny_dir" if arch == "llama" else "tiny_qwen3_dir")
-    bb = rm.load_backbone(str(folder), device="cpu", dtype="bfloat16")
+    bb = models.load_backbone(str(folder), device="cpu", dtype="bfloat16", engine=FAST)
     assert next(bb.model.parameters()).dtype == torch.bfloat16 and bb.autocast_dtype is None
-    prompts = [rm.chat_prompt_ids(bb.tokenizer, [{"role": "user", "content": f"Question {i}: " + "word " * i}])
+    prompts = [passes.chat_prompt_ids(bb.tokenizer, [{"role": "user", "content": f"Question {i}: " + "word " * i}])
                for i in range(3)]
     ours = [g.token_ids for g in generate(bb, prompts, max_new_tokens=6, temperature=0.0, batch_size=1)]
     assert ours == transformers_generate(bb, prompts, 6, 0.0, 1)
@@ -674,7 +678,7 @@ def test_bf16_weights_decode_score_and_train(arch, request):
     kl, _ = plain_kl(bb, prompts, [[5, 6, 7], [8, 9], [10]])
     assert lp.logprobs.dtype == torch.float32 and torch.isfinite(lp.logprobs).all() and (kl >= -1e-4).all()
     lp.sums().sum().backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in rm.trainable_parameters(bb.model))
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in models.trainable_parameters(bb.model))
     seqs = [prompts[0] + [5, 6, 7], prompts[0] + [8, 9], prompts[1] + [10]]       # the training passes' engine
     lens = [3, 2, 1]
     root = fast.SharedPrefix(bb, seqs, [r + 1 for r in lens])
@@ -684,7 +688,7 @@ def test_bf16_weights_decode_score_and_train(arch, request):
     assert torch.allclose(torch.cat([o.logprobs for o in outs]), plain.logprobs[plain.mask], atol=0.1)  # bf16 rounding
     assert all(torch.isfinite(o.logprobs).all() and o.kl.dtype == torch.float32 for o in outs)
     sum(o.logprobs.sum() + o.kl.sum() for o in outs).backward()
-    mu = RubricModel(rm.load_backbone(str(folder), device="cpu", dtype="bfloat16"), k=3, examples=0)
+    mu = RubricModel(models.load_backbone(str(folder), device="cpu", dtype="bfloat16", engine=FAST), k=3, examples=0)
     with torch.no_grad():
         rubrics, scores = mu.annotate(CTX, temperature=0.0, max_new_tokens=8, batch_size=2)
         again = mu.score(CTX, rubrics)
@@ -699,7 +703,7 @@ def test_unsupported_models_are_refused_at_load():
     for config, words in [(NS(_attn_implementation="flash_attention_2"), "backend"),
                           (NS(_attn_implementation="sdpa", layer_types=["sliding_attention", "full_attention"]), "sliding"),
                           (NS(_attn_implementation="eager", use_sliding_window=True, sliding_window=4096), "sliding")]:
-        with pytest.raises(rm.ModelLoadError, match=words):
+        with pytest.raises(models.ModelLoadError, match=words):
             fast.check_supported(NS(config=config), "m")
 
 
@@ -710,7 +714,7 @@ def test_a_hybrid_thinking_template_is_told_not_to_think(tiny_dir):
     tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
                          "{% if enable_thinking is defined and enable_thinking is false %}<no-think>"
                          "{% else %}<think>{% endif %}")
-    assert tok.decode(rm.chat_prompt_ids(tok, [{"role": "user", "content": "hi"}])).endswith("<no-think>")
+    assert tok.decode(passes.chat_prompt_ids(tok, [{"role": "user", "content": "hi"}])).endswith("<no-think>")
 
 
 # ----------------------------------------------------------------------------- the 'slots' rubric format
@@ -753,9 +757,9 @@ def test_slots_rubrics_hold_k_criteria_by_construction(tiny):
     mu = RubricModel(tiny, k=3, examples=0, rubric_format="slots")
     outs = {}
     for engine in ("plain", "fast"):
-        tiny.engine = engine
+        tiny.engine = engines.ENGINES[engine]
         outs[engine] = mu.generate_rubrics(CTX, temperature=0.0, max_new_tokens=24)
-    tiny.engine = "fast"
+    tiny.engine = FAST
     assert [r.token_ids for r in outs["plain"]] == [r.token_ids for r in outs["fast"]]
     for r in outs["fast"]:
         lines = r.text.split("\n")

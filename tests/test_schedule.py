@@ -6,9 +6,9 @@ import pytest
 
 import arco
 import env
-import plumbing
+from infra import files
 import warmup
-from config import parse_args
+from infra.settings import parse_args
 
 
 def args_of(*argv):
@@ -64,8 +64,8 @@ def test_epoch_batches_cover_every_question_once_in_each_phase():
 
 
 def test_dry_run_prints_the_schedule_and_builds_nothing(capsys, monkeypatch):
-    import rubric_model
-    monkeypatch.setattr(rubric_model, "load_backbone", lambda *a, **k: pytest.fail("--dry-run loaded a model"))
+    from infra import models
+    monkeypatch.setattr(models, "load_backbone", lambda *a, **k: pytest.fail("--dry-run loaded a model"))
     arco.main(["--preset", "paper", "--dataset", "hotpotqa", "--dry-run"])
     out = capsys.readouterr().out
     assert "2000 training questions" in out
@@ -118,6 +118,13 @@ def test_em_ties_are_broken_by_f1_then_by_fewer_invalid_steps():
     assert arco.select_checkpoint(history, sparse_epochs=0)["selected_epoch"] == 2
 
 
+def training_questions(a, warm):
+    """D as arco.run asks env for it: the ids of the warmup's records left out with --warmup-questions before."""
+    taught = {r["id"] for path in warm.glob("records*.jsonl") for r in files.read_jsonl(path)}
+    return env.training_questions(a.dataset, a.data_dir or None, a.train_size, a.seed,
+                                  taught if a.warmup_questions == "before" else frozenset())
+
+
 def test_rl_questions_start_at_the_warmups_unless_asked_before(tmp_path):
     """--warmup-questions within (both presets): D and the warmup are the first questions of one order, so the
     smaller lies in the larger (also D inside the warmup, the cpu preset's 8 of 150); before: D holds no
@@ -127,17 +134,17 @@ def test_rl_questions_start_at_the_warmups_unless_asked_before(tmp_path):
     order = env.synthetic_examples(8, split="train")
     (tmp_path / "records.jsonl").write_text("".join(
         f'{{"id": "{ex.id}", "sample": {s}}}\n' for ex in order[:3] for s in range(2)))
-    assert [q.id for q in plumbing.training_questions(a, tmp_path)] == [ex.id for ex in order[:5]]
+    assert [q.id for q in training_questions(a, tmp_path)] == [ex.id for ex in order[:5]]
     small = args_of("--dataset", "synthetic", "--train-size", "2", "--warmup-size", "3")   # D inside the warmup
-    assert [q.id for q in plumbing.training_questions(small, tmp_path)] == [ex.id for ex in order[:2]]
+    assert [q.id for q in training_questions(small, tmp_path)] == [ex.id for ex in order[:2]]
     a.warmup_questions = "before"
-    assert [q.id for q in plumbing.training_questions(a, tmp_path)] == [ex.id for ex in order[3:8]]
+    assert [q.id for q in training_questions(a, tmp_path)] == [ex.id for ex in order[3:8]]
                                            # a warmup of another sample: only its own questions are left out
     (tmp_path / "records.jsonl").write_text(f'{{"id": "{order[1].id}", "sample": 0}}\n')
-    assert [q.id for q in plumbing.training_questions(a, tmp_path)] == [order[i].id for i in (0, 2, 3, 4, 5)]
+    assert [q.id for q in training_questions(a, tmp_path)] == [order[i].id for i in (0, 2, 3, 4, 5)]
     (tmp_path / "records.jsonl").write_text("".join(f'{{"id": "{ex.id}", "sample": 0}}\n' for ex in order[:7]))
     a.train_size = 1                      # a warmup larger than --warmup-size says (e.g. one made earlier)
-    assert [q.id for q in plumbing.training_questions(a, tmp_path)] == [order[7].id]
+    assert [q.id for q in training_questions(a, tmp_path)] == [order[7].id]
 
 
 def test_a_warmup_mu_is_reused_only_with_its_own_sft_settings(tmp_path):
@@ -150,21 +157,21 @@ def test_a_warmup_mu_is_reused_only_with_its_own_sft_settings(tmp_path):
     a = args_of("--dataset", "synthetic", "--warmup-dir", str(tmp_path))
     made = {"sft_questions_mu": a.sft_questions_mu, "sft_head_steps": 500, "rubric_format": a.rubric_format}
     (tmp_path / "metrics.json").write_text(json.dumps({"mu": {"mu_sft": made}}))
-    assert a.sft_head_steps == 500 and plumbing.ensure_warmup(a, with_mu=True) == tmp_path
+    assert a.sft_head_steps == 500 and warmup.ensure(a, with_mu=True).folder == tmp_path
     a.sft_questions_mu = 60
     with pytest.raises(env.DataError, match=f"--sft-questions-mu {made['sft_questions_mu']}"):
-        plumbing.ensure_warmup(a, with_mu=True)
+        warmup.ensure(a, with_mu=True)
     a.sft_questions_mu = made["sft_questions_mu"]
     (tmp_path / "metrics.json").write_text(json.dumps({"mu": {"mu_sft": {k: v for k, v in made.items()
                                                                           if k != "sft_head_steps"}}}))
     with pytest.raises(env.DataError, match="--sft-head-steps 0"):
-        plumbing.ensure_warmup(a, with_mu=True)
+        warmup.ensure(a, with_mu=True)
     a.sft_head_steps = 0
-    assert plumbing.ensure_warmup(a, with_mu=True) == tmp_path
+    assert warmup.ensure(a, with_mu=True).folder == tmp_path
     (tmp_path / "metrics.json").write_text(json.dumps({"mu": {"mu_sft": {"sft_questions_mu": a.sft_questions_mu}}}))
     with pytest.raises(env.DataError, match="--rubric-format json"):            # made before the setting: JSON
-        plumbing.ensure_warmup(a, with_mu=True)
+        warmup.ensure(a, with_mu=True)
     fresh = tmp_path / "fresh"                                          # a folder with no μ yet: nothing to refuse
     fresh.mkdir()
     warmup.check_mu_settings(fresh, "mu_sft", a)
-    assert plumbing.ensure_warmup(a, with_mu=False) == tmp_path        # outcome RL needs no μ
+    assert warmup.ensure(a, with_mu=False).folder == tmp_path        # outcome RL needs no μ

@@ -14,12 +14,15 @@ from pathlib import Path
 
 import pytest
 
-import diagnostics
+from lab import diagnostics
 
 import env
-import teachers
 import warmup
 from conftest import REPO, ChatServer
+from infra import files
+from infra import teachers
+from infra import openai_teacher
+from infra import oracle
 
 FAKE_KEY = "sk-fake-ARCO-test-key-0123456789"
 
@@ -116,8 +119,8 @@ def test_clip_and_fit():
 
 
 def oracle_records(retriever, examples, tmp_path, k=4, K=3):
-    run = warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=k, K=K, progress=False)
-    return run, env.read_jsonl(tmp_path / "records.jsonl")
+    run = warmup.collect(examples, warmup.OracleTeacher(env, seed=0), retriever, tmp_path, k=k, K=K, progress=False)
+    return run, files.read_jsonl(tmp_path / "records.jsonl")
 
 
 def check_record(r, K):
@@ -140,7 +143,7 @@ def test_oracle_on_synthetic(retriever, tmp_path):
     assert rewards[1.0] >= 12 and rewards[0.0] >= 12  # both outcomes in the warmup set
     gold = [r for r in records if r["variant"] == "gold"]
     assert len(gold) == 12 and all(r["reward"] == 1.0 and r["evidence_found"] for r in gold)
-    assert {r["variant"] for r in records} == {"gold", *teachers.VARIANTS}
+    assert {r["variant"] for r in records} == {"gold", *oracle.VARIANTS}
     for r in records:
         check_record(r, 3)
         for s in r["steps"]:  # every step logged as the environment saw it
@@ -170,7 +173,7 @@ def test_oracle_on_synthetic(retriever, tmp_path):
     assert went and all(any(s["teacher_scores"][0] == -1.0 and s["retrieved"] not in r["supporting"]
                             for s in r["steps"]) for r in went)
     # a rerun finds everything done
-    assert warmup.collect(examples, warmup.OracleTeacher(), retriever, tmp_path, k=4, progress=False) == \
+    assert warmup.collect(examples, warmup.OracleTeacher(env), retriever, tmp_path, k=4, progress=False) == \
         {"skipped_finished": 48}
 
 
@@ -179,12 +182,12 @@ def test_mu_sft_takes_the_first_questions_when_capped(retriever, tmp_path):
     examples = env.synthetic_examples(6, seed=5, split="train")
     _, records = oracle_records(retriever, examples, tmp_path, k=2, K=3)
     args = warmup.Args(dataset="synthetic", warmup_samples=2, sft_questions_mu=2)
-    summary, pi, mu = warmup.summarize(records, examples, {}, args, warmup.OracleTeacher())
+    summary, pi, mu = warmup.summarize(records, examples, {}, args, warmup.OracleTeacher(env))
     assert {x["id"] for x in mu} == {ex.id for ex in examples[:2]}
     assert {x["id"] for x in pi} == {ex.id for ex in examples}    # the oracle's gold trajectories all end R = 1 here
     assert summary["mu_records_kept"] == 4 and summary["rubric_sft_examples"] == len(mu)
     args.sft_questions_mu = 0
-    assert {x["id"] for x in warmup.summarize(records, examples, {}, args, warmup.OracleTeacher())[2]} == \
+    assert {x["id"] for x in warmup.summarize(records, examples, {}, args, warmup.OracleTeacher(env))[2]} == \
         {ex.id for ex in examples}
 
 
@@ -243,7 +246,7 @@ def test_check_gold_cli(capsys):
 
 def test_policy_sft_prompts_match_the_environment(retriever):
     examples = env.synthetic_examples(6, seed=7, split="train")
-    teacher = warmup.OracleTeacher()
+    teacher = warmup.OracleTeacher(env)
     pairs = [(ex, s) for ex in examples for s in range(4)]
     trajs, metas = teacher.rollout(pairs, retriever)
     records = []
@@ -388,7 +391,7 @@ def api_env(monkeypatch):
 
 
 def api_teacher(**kw):
-    return warmup.OpenAITeacher("fake-policy", "fake-rubric", temperature=0.7, max_retries=kw.pop("max_retries", 2),
+    return warmup.OpenAITeacher(env, "fake-policy", "fake-rubric", temperature=0.7, max_retries=kw.pop("max_retries", 2),
                                 backoff=0.01, timeout=kw.pop("timeout", 1.0), concurrency=kw.pop("concurrency", 3), **kw)
 
 
@@ -404,10 +407,10 @@ def test_openai_teacher_end_to_end(api_env, retriever, tmp_path):
     q = {name: ex for ex, name in zip(examples, names)}
     teacher = api_teacher()
     run = warmup.collect(examples, teacher, retriever, tmp_path, k=2, K=3, progress=False)
-    records = env.read_jsonl(tmp_path / "records.jsonl")
+    records = files.read_jsonl(tmp_path / "records.jsonl")
     got = Counter(r["id"] for r in records)
     assert got == {ex.id: 2 for ex in examples if ex is not q["fail"]}  # the failing question skipped, run went on
-    failures = env.read_jsonl(tmp_path / "failures.jsonl")
+    failures = files.read_jsonl(tmp_path / "failures.jsonl")
     assert {(f["id"], f["stage"]) for f in failures} == {(q["fail"].id, "policy")}
     assert "500" in failures[0]["error"] and "[redacted]" in failures[0]["error"]
     assert run["records"] == 18 and run["failed_policy"] == 2
@@ -468,21 +471,21 @@ def test_parse_annotation_variants():
     T, K = 2, 2
     text = ('Here you go:\n[{"step": 0, "criteria": [{"criterion": "a1", "score": "0.5"}, {"text": "a2", "score": 2}]},'
             ' {"step": 1, "criteria": ["b1", "b2", "b3"], "scores": [0.1, 0.2, 0.3]}]')
-    c, s, issues = teachers.parse_annotation(text, T, K)
+    c, s, issues = openai_teacher.parse_annotation(text, T, K)
     assert c == [["a1", "a2"], ["b1", "b2"]] and s == [[0.5, 1.0], [0.1, 0.2]]
     assert any("out of range" in i for i in issues) and any("3 scores" in i for i in issues)
-    c, s, issues = teachers.parse_annotation('{"steps": [{"step": "Step 2", "criteria": ["x"], "scores": [1]}]}', T, K)
+    c, s, issues = openai_teacher.parse_annotation('{"steps": [{"step": "Step 2", "criteria": ["x"], "scores": [1]}]}', T, K)
     assert c == [["", ""], ["x", ""]] and s == [[0.0, 0.0], [1.0, 0.0]] and "step 1 missing" in issues
     with pytest.raises(warmup.TeacherError):
-        teachers.parse_annotation("I cannot grade this.", T, K)
+        openai_teacher.parse_annotation("I cannot grade this.", T, K)
     with pytest.raises(warmup.TeacherError):
-        teachers.parse_annotation('{"verdict": "good"}', T, K)
+        openai_teacher.parse_annotation('{"verdict": "good"}', T, K)
 
 
 def test_rubric_prompt_states_the_constraint(retriever):
     [ex] = env.synthetic_examples(1, seed=9, split="train")
-    trajs, metas = warmup.OracleTeacher().rollout([(ex, 0)], retriever)
-    msgs = teachers.annotation_messages(trajs[0], 3)
+    trajs, metas = warmup.OracleTeacher(env).rollout([(ex, 0)], retriever)
+    msgs = openai_teacher.annotation_messages(trajs[0], 3)
     user = msgs[1]["content"]
     assert ex.question in user and "R = 1" in user and "exactly 3 criteria" in user
     assert "must sum to R = 1" in user and "Step 3 (searches left: 1): Finish[" in user
@@ -492,7 +495,7 @@ def test_rubric_prompt_states_the_constraint(retriever):
 def test_missing_api_key_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with pytest.raises(warmup.TeacherError, match="OPENAI_API_KEY"):
-        warmup.OpenAITeacher()
+        warmup.OpenAITeacher(env)
 
 
 # ----------------------------------------------------------------------------- resume after a kill
@@ -502,7 +505,7 @@ class InterruptingOracle(warmup.OracleTeacher):
     """Stops the run (as Ctrl-C would) at the n-th annotation."""
 
     def __init__(self, n):
-        super().__init__()
+        super().__init__(env)
         self.n, self.annotated = n, []
 
     def annotate(self, traj, meta, K):
@@ -514,7 +517,7 @@ class InterruptingOracle(warmup.OracleTeacher):
 
 class CountingOracle(warmup.OracleTeacher):
     def __init__(self):
-        super().__init__()
+        super().__init__(env)
         self.annotated = []
 
     def annotate(self, traj, meta, K):
@@ -581,19 +584,19 @@ def test_kill_and_resume_the_cli(api_env, retriever, tmp_path):
 
 def test_records_from_another_configuration_are_refused(retriever, tmp_path):
     examples = env.synthetic_examples(2, seed=11, split="train")
-    warmup.collect(examples, warmup.OracleTeacher(), retriever, tmp_path, k=1, K=3, progress=False)
+    warmup.collect(examples, warmup.OracleTeacher(env), retriever, tmp_path, k=1, K=3, progress=False)
 
     class OtherTeacher(warmup.OracleTeacher):
         name = "other"
     with pytest.raises(ValueError, match="teacher=oracle K=3, this run uses teacher=other K=3"):
-        warmup.collect(examples, OtherTeacher(), retriever, tmp_path, k=1, K=3, progress=False)
+        warmup.collect(examples, OtherTeacher(env), retriever, tmp_path, k=1, K=3, progress=False)
     # another K is not refused: it is another collection, beside the first (warmup.collection_suffix)
-    warmup.collect(examples, warmup.OracleTeacher(), retriever, tmp_path, k=1, K=5, progress=False)
-    assert [r["K"] for r in env.read_jsonl(tmp_path / "records-k5.jsonl")] == [5, 5]
-    assert [r["K"] for r in env.read_jsonl(tmp_path / "records.jsonl")] == [3, 3]
+    warmup.collect(examples, warmup.OracleTeacher(env), retriever, tmp_path, k=1, K=5, progress=False)
+    assert [r["K"] for r in files.read_jsonl(tmp_path / "records-k5.jsonl")] == [5, 5]
+    assert [r["K"] for r in files.read_jsonl(tmp_path / "records.jsonl")] == [3, 3]
     (tmp_path / "records-k5.jsonl").write_text((tmp_path / "records.jsonl").read_text())   # mixed by hand
     with pytest.raises(ValueError, match="K=3, this run uses teacher=oracle K=5"):
-        warmup.collect(examples, warmup.OracleTeacher(), retriever, tmp_path, k=1, K=5, progress=False)
+        warmup.collect(examples, warmup.OracleTeacher(env), retriever, tmp_path, k=1, K=5, progress=False)
 
 
 def test_on_policy_collection_labels_pi_own_steps_by_hand(retriever, tmp_path):
@@ -606,11 +609,11 @@ def test_on_policy_collection_labels_pi_own_steps_by_hand(retriever, tmp_path):
     a = titles[ex.hops[0]["paragraph"]]
     alike = next(t for t in titles if t != a and t.split(" ", 1)[-1] == a.split(" ", 1)[1])
     teacher = warmup.OnPolicyTeacher.__new__(warmup.OnPolicyTeacher)
-    warmup.OracleTeacher.__init__(teacher, seed=0, obs_chars=400)
+    warmup.OracleTeacher.__init__(teacher, env, seed=0, obs_chars=400)
     script = iter([f"Search[{a}]", f"Search[{alike}]", f"Search[{a}]", "Finish[nowhere at all]"])
     teacher.act = lambda prompts, seeds=None: [next(script) for _ in prompts]
     warmup.collect([ex], teacher, retriever, tmp_path, k=1, K=3, progress=False)
-    (rec,) = env.read_jsonl(tmp_path / "records.jsonl")
+    (rec,) = files.read_jsonl(tmp_path / "records.jsonl")
     assert rec["teacher"] == "oracle-on-policy" and rec["variant"] == "policy" and rec["reward"] == 0.0
     steps = rec["steps"]
     assert [st["teacher_scores"][0] for st in steps] == [1.0, -1.0, 1.0, -1.0]     # relevant / right answer

@@ -10,9 +10,15 @@ import torch
 
 import env
 import rubric_model as rm
-import study
-import teachers
+from lab import study
 import warmup
+from infra import models
+from infra import passes
+from infra import files
+from lab import truth
+from infra import oracle
+from infra.fast import FAST
+from infra.passes import PLAIN
 
 
 # Eq. 7's arithmetic with numbers chosen by hand: two steps, K = 2, rubrics of two tokens.
@@ -61,13 +67,13 @@ def test_sft_schedule_is_a_three_percent_warmup_then_a_cosine():
 def test_policy_and_rubric_sft_lower_their_losses(tiny_dir, tmp_path, retriever):
     import env
     examples = env.load_split("synthetic", "train", size=3, seed=0)
-    warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=2, K=3, progress=False)
-    records = env.read_jsonl(tmp_path / "records.jsonl")
+    warmup.collect(examples, warmup.OracleTeacher(env, seed=0), retriever, tmp_path, k=2, K=3, progress=False)
+    records = files.read_jsonl(tmp_path / "records.jsonl")
     pi_examples = warmup.policy_sft_examples(records)
     mu_items = warmup.rubric_sft_examples(warmup.filter_records(records, 3)[0])
     assert pi_examples and mu_items
 
-    pi = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
+    pi = models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST)
     losses = warmup.train_policy_sft(pi, pi_examples, epochs=4, lr=3e-2, batch_size=4, progress=False)["losses"]
     assert losses[-1] < losses[0]
     assert not hasattr(pi.model, "peft_config") and len(pi.merged) == 1     # merged after SFT
@@ -77,7 +83,7 @@ def test_policy_and_rubric_sft_lower_their_losses(tiny_dir, tmp_path, retriever)
     # alone (λ = 0), the score error with the full loss.
     torch.manual_seed(0)
     for lam, term in ((0.0, "text_nll"), (10.0, "score_sq_error")):
-        mu = rm.RubricModel(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), k=3)
+        mu = rm.RubricModel(models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST), k=3)
         before = warmup.rubric_sft_terms(mu, mu_items, 10.0)
         losses = warmup.train_rubric_sft(mu, mu_items, epochs=4, lr=3e-2, head_lr=1e-2, lam=lam, batch_size=4,
                                          progress=False)
@@ -88,10 +94,10 @@ def test_policy_and_rubric_sft_lower_their_losses(tiny_dir, tmp_path, retriever)
 def test_score_head_fit_lowers_eq7_score_term_and_moves_only_the_head(tiny_dir, tmp_path, retriever):
     """--sft-head-steps: Adam on Eq. 7's score term over φ alone; the backbone's weights stay as they were."""
     examples = env.load_split("synthetic", "train", size=3, seed=0)
-    warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=2, K=3, progress=False)
-    items = warmup.rubric_sft_examples(warmup.filter_records(env.read_jsonl(tmp_path / "records.jsonl"), 3)[0])
+    warmup.collect(examples, warmup.OracleTeacher(env, seed=0), retriever, tmp_path, k=2, K=3, progress=False)
+    items = warmup.rubric_sft_examples(warmup.filter_records(files.read_jsonl(tmp_path / "records.jsonl"), 3)[0])
     torch.manual_seed(0)
-    mu = rm.RubricModel(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), k=3)
+    mu = rm.RubricModel(models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST), k=3)
     backbone = {k: v.clone() for k, v in mu.backbone.model.state_dict().items()}
     head = [p.clone() for p in mu.head.parameters()]
     before = warmup.rubric_sft_terms(mu, items, 10.0, token_reduction="mean")["score_sq_error"]
@@ -109,17 +115,17 @@ def test_pi_sft_backward_is_the_plain_token_mean(tiny_dir, tmp_path, retriever):
     is cut into passes (single steps, pairs, trajectories packed to a token budget, all in one)."""
     import env
     examples = env.load_split("synthetic", "train", size=3, seed=0)
-    warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=1, K=3, progress=False)
-    pi_examples = warmup.policy_sft_examples(env.read_jsonl(tmp_path / "records.jsonl"))[:5]
-    pi = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
-    rm.add_lora(pi)
+    warmup.collect(examples, warmup.OracleTeacher(env, seed=0), retriever, tmp_path, k=1, K=3, progress=False)
+    pi_examples = warmup.policy_sft_examples(files.read_jsonl(tmp_path / "records.jsonl"))[:5]
+    pi = models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST)
+    models.add_lora(pi)
     torch.manual_seed(0)
-    for p in rm.trainable_parameters(pi.model):           # B ≠ 0, so that A's gradient is not zero
+    for p in models.trainable_parameters(pi.model):           # B ≠ 0, so that A's gradient is not zero
         p.data.normal_(0, 0.05)
-    batch = [(rm.chat_prompt_ids(pi.tokenizer, ex["messages"]), rm.encode_response(pi, ex["target"]))
+    batch = [(passes.chat_prompt_ids(pi.tokenizer, ex["messages"]), passes.encode_response(pi, ex["target"]))
              for ex in pi_examples]
-    params = rm.trainable_parameters(pi.model)
-    lp = rm.sequence_logprobs(pi, [p for p, _ in batch], [r for _, r in batch])
+    params = models.trainable_parameters(pi.model)
+    lp = passes.sequence_logprobs(pi, [p for p, _ in batch], [r for _, r in batch])
     plain = -lp.logprobs.sum() / lp.mask.sum()
     want = torch.autograd.grad(plain, params)
     for units, budget in (([[i] for i in range(5)], None), ([[0, 1], [2, 3], [4]], None),
@@ -139,18 +145,18 @@ def test_rubric_sft_backward_is_the_same_on_both_engines(tiny_dir, tmp_path, ret
     the passes (single steps, pairs, the trajectories, the whole batch)."""
     import env
     examples = env.load_split("synthetic", "train", size=2, seed=0)
-    warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=2, K=3, progress=False)
-    items = warmup.rubric_sft_examples(warmup.filter_records(env.read_jsonl(tmp_path / "records.jsonl"), 3)[0])[:5]
+    warmup.collect(examples, warmup.OracleTeacher(env, seed=0), retriever, tmp_path, k=2, K=3, progress=False)
+    items = warmup.rubric_sft_examples(warmup.filter_records(files.read_jsonl(tmp_path / "records.jsonl"), 3)[0])[:5]
     torch.manual_seed(0)
-    mu = rm.RubricModel(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), k=3, rubric_mode=mode)
-    rm.add_lora(mu.backbone, dropout=0.0)
-    for p in rm.trainable_parameters(mu.backbone.model):
+    mu = rm.RubricModel(models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST), k=3, rubric_mode=mode)
+    models.add_lora(mu.backbone, dropout=0.0)
+    for p in models.trainable_parameters(mu.backbone.model):
         p.data.normal_(0, 0.05)
     params = [p for g in mu.parameter_groups(1.0, 1.0) for p in g["params"]]
-    mu.backbone.engine = "plain"                 # the engine is the backbone's (--engine at load)
+    mu.backbone.engine = PLAIN                 # the engine is the backbone's (--engine at load)
     loss = warmup.rubric_sft_backward(mu, items, 10.0, [list(range(len(items)))], reduction)
     want = [p.grad.clone() for p in params]
-    mu.backbone.engine = "fast"
+    mu.backbone.engine = FAST
     for units in ([[i] for i in range(5)], [[0, 1], [2, 3], [4]], warmup.trajectory_units(items), [list(range(5))]):
         for p in params:
             p.grad = None
@@ -165,15 +171,15 @@ def test_pi_sft_keeps_the_epoch_with_the_best_dev_em(tiny_dir, tmp_path, retriev
     to rank epoch 2 first, and the merged π gives exactly epoch 2's log-probs."""
     import env
     examples = env.load_split("synthetic", "train", size=3, seed=0)
-    warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=1, K=3, progress=False)
-    pi_examples = warmup.policy_sft_examples(env.read_jsonl(tmp_path / "records.jsonl"))
-    pi = rm.load_backbone(str(tiny_dir), device="cpu", autocast="off")
-    probe = (rm.chat_prompt_ids(pi.tokenizer, pi_examples[0]["messages"]), rm.encode_response(pi, pi_examples[0]["target"]))
+    warmup.collect(examples, warmup.OracleTeacher(env, seed=0), retriever, tmp_path, k=1, K=3, progress=False)
+    pi_examples = warmup.policy_sft_examples(files.read_jsonl(tmp_path / "records.jsonl"))
+    pi = models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST)
+    probe = (passes.chat_prompt_ids(pi.tokenizer, pi_examples[0]["messages"]), passes.encode_response(pi, pi_examples[0]["target"]))
     seen = []
 
     def fingerprint(policy):
         with torch.no_grad():
-            return float(rm.sequence_logprobs(policy, [probe[0]], [probe[1]]).sums())
+            return float(passes.sequence_logprobs(policy, [probe[0]], [probe[1]]).sums())
 
     def scripted_eval(policy):
         seen.append(fingerprint(policy))
@@ -205,9 +211,9 @@ def test_warmup_end_to_end_on_tiny_model(tiny_dir, tmp_path):
     best = metrics["pi_sft_epoch"]
     assert metrics["sft_only"]["em"] == metrics["pi_sft_dev_em_per_epoch"][best - 1] == \
         max(metrics["pi_sft_dev_em_per_epoch"])
-    pi, config = rm.load_backbone_checkpoint(out / "pi_sft", device="cpu")
+    pi, config = models.load_backbone_checkpoint(out / "pi_sft", device="cpu", engine=FAST)
     assert config["merged_adapters"] == 1 and config["adapter"] is None
-    mu = rm.RubricModel.load(out / "mu_sft", device="cpu")
+    mu = rm.RubricModel.load(out / "mu_sft", device="cpu", engine=FAST)
     assert mu.k == 3 and mu.rubric_mode == "adaptive"
     ctx = rm.StepContext("q?", "", "Search[x]", 3)
     with torch.no_grad():
@@ -239,12 +245,12 @@ def test_mu_on_pi_own_rollouts_end_to_end_on_tiny_model(tiny_dir, tmp_path, retr
                        sft_batch_mu=4, max_new_tokens_pi=8, warmup_probe=2, progress=False,
                        sft_head_steps=0, sft_questions_mu=2, mu_data="policy")
     warmup.run(args)
-    records = env.read_jsonl(out / "policy_rollouts" / "records.jsonl")
+    records = files.read_jsonl(out / "policy_rollouts" / "records.jsonl")
     assert len(records) == 4 and {r["teacher"] for r in records} == {"oracle-on-policy"}     # 2 questions × 2
     assert all(len(st["criteria"]) == 3 for r in records for st in r["steps"])
     assert (out / "mu_sft-policy-q2" / "config.json").is_file() and not (out / "mu_sft").exists()
     monkeypatch.setattr(study, "POLICY_PROBE_QUESTIONS", 4)
-    mu = rm.RubricModel.load(out / "mu_sft-policy-q2", device="cpu")
+    mu = rm.RubricModel.load(out / "mu_sft-policy-q2", device="cpu", engine=FAST)
     trajs = study.policy_dev_rollouts(args, out, retriever)
     first = study.policy_dev_auc(mu, trajs, 4)
     assert first["questions"] == 4 and first["steps"] >= 4 and set(first) >= {"search", "finish", "all"}
@@ -298,8 +304,8 @@ def test_check_criteria_carry_no_verdict():
     other = next(i for i in range(len(ex.paragraphs)) if i not in ex.supporting)
     prefix = [_search(ex, hop1, 5)]
     useful, useless = _search(ex, hop2, 4), _search(ex, other, 4)
-    assert env.step_usefulness({"steps": [vars(s) for s in prefix + [useful]], "gold": ex.answers}, ex.supporting)[1]
-    assert not env.step_usefulness({"steps": [vars(s) for s in prefix + [useless]], "gold": ex.answers},
+    assert truth.step_usefulness({"steps": [vars(s) for s in prefix + [useful]], "gold": ex.answers}, ex.supporting)[1]
+    assert not truth.step_usefulness({"steps": [vars(s) for s in prefix + [useless]], "gold": ex.answers},
                                    ex.supporting)[1]
     # queries other than the titles they retrieve: a criterion that quoted what the step brought back (its
     # paragraph's title, a verdict) would differ between the two searches beyond the query
@@ -316,11 +322,11 @@ def test_check_criteria_carry_no_verdict():
             assert "hop" not in c.lower() and "support" not in c.lower()
             assert not re.search(r"\d+ of \d+", c)
     # the verdict criteria of the same two searches name the hop only on the useful one
-    plan = teachers.choose_queries([ex], env.Retriever())[0]
+    plan = oracle.choose_queries(env, [ex], env.Retriever())[0]
     t_useful = env.Trajectory(example=ex, max_searches=5, steps=prefix + [useful])
     t_useless = env.Trajectory(example=ex, max_searches=5, steps=prefix + [useless])
-    va = teachers.oracle_rubric(t_useful, teachers.inferred_intents(t_useful, plan), len(plan), 3)[0][1]
-    vb = teachers.oracle_rubric(t_useless, teachers.inferred_intents(t_useless, plan), len(plan), 3)[0][1]
+    va = oracle.oracle_rubric(env, t_useful, oracle.inferred_intents(t_useful, plan), len(plan), 3)[0][1]
+    vb = oracle.oracle_rubric(env, t_useless, oracle.inferred_intents(t_useless, plan), len(plan), 3)[0][1]
     assert any("hop 2 of" in c for c in va) and not any("hop" in c for c in vb)
 
 
@@ -328,8 +334,8 @@ def test_check_criteria_items_keep_the_teacher_scores(tmp_path, retriever):
     """study.check_items (the ladder's check criteria): the same items, the same scores slot for slot, only the
     text is the checks'; balanced_finishes repeats the rarer finish class until both count alike."""
     examples = env.load_split("synthetic-long", "train", size=4, seed=0)
-    warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=3, K=3, progress=False)
-    kept = warmup.filter_records(env.read_jsonl(tmp_path / "records.jsonl"), 3)[0]
+    warmup.collect(examples, warmup.OracleTeacher(env, seed=0), retriever, tmp_path, k=3, K=3, progress=False)
+    kept = warmup.filter_records(files.read_jsonl(tmp_path / "records.jsonl"), 3)[0]
     verdict = warmup.rubric_sft_examples(kept)
     check = study.check_items(verdict, kept, 3)
     assert [(v["action"], v["scores"]) for v in verdict] == [(c["action"], c["scores"]) for c in check]
@@ -351,10 +357,10 @@ def test_the_own_rubric_head_fit_reads_what_mu_writes(tiny_dir, tmp_path, retrie
     (q, h_t, a_t, r_t) with μ's own greedy r_t, not the teacher's criteria; by hand on the tiny model: the fitted
     head's error is the one computed here on μ.pooled over μ's own rubrics."""
     examples = env.load_split("synthetic", "train", size=2, seed=0)
-    warmup.collect(examples, warmup.OracleTeacher(seed=0), retriever, tmp_path, k=2, K=3, progress=False)
-    items = warmup.rubric_sft_examples(warmup.filter_records(env.read_jsonl(tmp_path / "records.jsonl"), 3)[0])[:6]
+    warmup.collect(examples, warmup.OracleTeacher(env, seed=0), retriever, tmp_path, k=2, K=3, progress=False)
+    items = warmup.rubric_sft_examples(warmup.filter_records(files.read_jsonl(tmp_path / "records.jsonl"), 3)[0])[:6]
     torch.manual_seed(0)
-    mu = rm.RubricModel(rm.load_backbone(str(tiny_dir), device="cpu", autocast="off"), k=3)
+    mu = rm.RubricModel(models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST), k=3)
     contexts, teacher, targets = warmup.rubric_items(mu, items)
     own = mu.generate_rubrics(contexts, 0.0, 12, 4)
     assert [r.text for r in own] != [r.text for r in teacher]

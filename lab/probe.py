@@ -1,11 +1,13 @@
 """The gradient probe (issue 53): what one update's step credit does to π's gradient, measured directly.
 
-    python probe.py [--at sft fork] [--probe-seed 0] [arco.py's flags, as study.py takes them]
+    python -m lab.probe [--at sft fork] [--probe-seed 0] [arco.py's flags, as lab.study takes them]
 
-Part of the credit study (its settings, warmup, sparse phases and oracles are study.py's; nothing imports this file). At a π — π_sft of the
-study's warmup, or π at a seed's fork (its sparse phase run first where missing) — and with respect to the weights
-RL trains (π's LoRA adapter): the true gradient g* of J = E[R] is estimated from a held-out pool of rollouts
-(outcome REINFORCE with each question's leave-one-out mean as the baseline: unbiased), and every credit scheme's
+Part of the credit study (its settings, warmup and sparse phases are lab/study.py's, its oracles lab/truth.py's). At
+a π — π_sft of the study's warmup, or π at a seed's fork (its sparse phase run first where missing) — and with
+respect to the weights RL trains (π's LoRA adapter): the expected update g* is estimated from a held-out pool of
+rollouts (outcome REINFORCE with each question's leave-one-out mean as the baseline: the update as implemented,
+sampled at the rollout temperature, log π at temperature 1 — not exactly ∇J; score_drift sizes the difference),
+and every credit scheme's
 batch gradient g_B = (1/|B|) Σ_τ Σ_t A_{τ,t} ∇ log π(a_t|h_t) (Eq. 3's, its KL term aside) is formed on 64 disjoint
 batches of the study's budget, 8 trajectories, drawn from a second pool: 2 questions × 4 samples (the study's
 composition) or 8 questions × 1 (the release's dense composition). One pool and one per-step gradient serve every
@@ -36,10 +38,16 @@ import torch
 
 import arco
 import env
-import rubric_model
 import warmup
-from config import main_guard
-from study import fmt, ground_truth_scores, run_once, study_args
+from infra import models, passes
+from infra.data import DataError
+from infra.engines import loading
+from infra.files import read_jsonl, write_json, write_jsonl
+from infra.settings import main_guard
+from infra.warmups import mu_dir_name
+from lab.study import fmt, run_once, study_args
+from lab.truth import ground_truth_scores
+from rubric_model import RubricModel, contexts_from_trajectory
 
 PROBE = dict(questions=128, samples=4, dims=8192, chunk=16)
 # The branched rollouts: the first `questions` of the batch pool, `continuations` from every prefix h_t (t ≥ 1) of
@@ -70,7 +78,7 @@ def flat_grad(params) -> torch.Tensor:
 def probe_questions(args: arco.Args, warm: Path, n: int) -> list:
     """2n training questions neither the warmup nor the study's RL runs (their --train-size) used, in the seeded
     order of arco.training_questions: the first n for the batch pool, the next n for g*."""
-    taught = {r["id"] for path in warm.glob("records*.jsonl") for r in env.read_jsonl(path)}
+    taught = {r["id"] for path in warm.glob("records*.jsonl") for r in read_jsonl(path)}
     order = env.load_split(args.dataset, "train", args.data_dir or None, len(taught) + args.train_size + 2 * n, args.seed)
     return [q for q in order if q.id not in taught][args.train_size:args.train_size + 2 * n]
 
@@ -94,7 +102,7 @@ def pool_id(rows: Sequence[dict]) -> str:
 def same_pool(path: Path, have: str | None, want: str) -> None:
     """Refuse a cached stage computed on another pool (a stage written before fingerprints, None, passes)."""
     if have is not None and have != want:
-        raise env.DataError(f"{path} was computed on another pool or π (fingerprint {have}; this pool's is {want}): "
+        raise DataError(f"{path} was computed on another pool or π (fingerprint {have}; this pool's is {want}): "
                             f"delete it to compute it again")
 
 
@@ -114,19 +122,19 @@ def probe_rollouts(pi, questions: Sequence, samples: int, args: arco.Args, path:
     question's k-th sample is does not depend on the chunking); kept in `path` a chunk at a time (resumable; rows
     of another π, `pi_id`, are refused). Returns the trajectories and the pool's fingerprint (pool_id)."""
     from tqdm import tqdm
-    rows = env.read_jsonl(path) if path.is_file() else []
+    rows = read_jsonl(path) if path.is_file() else []
     other = {r.get("pi") for r in rows} - {pi_id, None, ""}
     if other:
-        raise env.DataError(f"{path} holds rollouts of another π ({', '.join(sorted(other))}; this π is {pi_id}): "
+        raise DataError(f"{path} holds rollouts of another π ({', '.join(sorted(other))}; this π is {pi_id}): "
                             f"delete the folder to probe this π")
     retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)
     chunk = PROBE["chunk"]
     for start in tqdm(range(len(rows) // samples, len(questions), chunk), desc=f"rollouts ({path.stem})"):
         group = [(q, k) for q in questions[start:start + chunk] for k in range(samples)]
         seeds = [seed * 1_000_003 + (start + i // samples) * 64 + k for i, (_, k) in enumerate(group)]
-        act = rubric_model.policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch)
+        act = passes.policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch)
         trajs = env.rollout([q for q, _ in group], act, retriever, args.max_searches, args.obs_chars, seeds=seeds)
-        env.write_jsonl(path, [traj_row(t, pi_id) for t in trajs], append=True)
+        write_jsonl(path, [traj_row(t, pi_id) for t in trajs], append=True)
         rows += [traj_row(t, pi_id) for t in trajs]
     by_id = {q.id: q for q in questions}
     rows = rows[:len(questions) * samples]
@@ -137,8 +145,8 @@ def probe_rollouts(pi, questions: Sequence, samples: int, args: arco.Args, path:
 
 def step_logprob(pi, st) -> torch.Tensor:
     """log π(a_t|h_t): the sum of the action's token log-probs, with its graph (one sequence)."""
-    seqs, lens = rubric_model.policy_sequences(pi, [st])
-    return rubric_model.sequence_logprobs(pi, [seqs[0][:-lens[0]]], [seqs[0][-lens[0]:]]).sums()[0]
+    seqs, lens = passes.policy_sequences(pi, [st])
+    return passes.sequence_logprobs(pi, [seqs[0][:-lens[0]]], [seqs[0][-lens[0]:]]).sums()[0]
 
 
 def step_gradients(pi, trajs: Sequence, sketch: Sketch, path: Path, check_path: Path, check: int = 24,
@@ -147,7 +155,7 @@ def step_gradients(pi, trajs: Sequence, sketch: Sketch, path: Path, check_path: 
     `path` a chunk of trajectories at a time (resumable, with the pool's fingerprint). The first chunk also writes
     `check_path` (sketch_check on the full gradients of its first `check` valid steps)."""
     from tqdm import tqdm
-    params = rubric_model.trainable_parameters(pi.model)
+    params = models.trainable_parameters(pi.model)
     done = torch.load(path, weights_only=True) if path.is_file() else {"trajectories": 0, "rows": []}
     same_pool(path, done.get("fingerprint"), fingerprint)
     rows, full = list(done["rows"]), []
@@ -167,11 +175,11 @@ def step_gradients(pi, trajs: Sequence, sketch: Sketch, path: Path, check_path: 
                     full.append(g)
                 rows.append(sketch(g))
         if start == 0:
-            env.write_json(check_path, sketch_check(sketch, full))
+            write_json(check_path, sketch_check(sketch, full))
         torch.save({"trajectories": min(start + chunk, len(trajs)), "rows": rows, "fingerprint": fingerprint}, path)
     steps = sum(len(t.steps) for t in trajs)
     if len(rows) != steps:
-        raise env.DataError(f"{path} holds {len(rows)} step gradients, the pool {steps} steps: delete it to compute "
+        raise DataError(f"{path} holds {len(rows)} step gradients, the pool {steps} steps: delete it to compute "
                             f"it again")
     return torch.stack(rows)
 
@@ -215,7 +223,7 @@ def true_gradient(pi, trajs: Sequence, sketch: Sketch, args: arco.Args, path: Pa
     (score_drift measures the difference's source). Kept in `path` per chunk (resumable: sketched sums are
     additive), with the held-out pool's fingerprint."""
     from tqdm import tqdm
-    params = rubric_model.trainable_parameters(pi.model)
+    params = models.trainable_parameters(pi.model)
     A = loo_advantages(trajs)
     half = len(trajs) // 2
     done = torch.load(path, weights_only=True) if path.is_file() else {
@@ -230,7 +238,7 @@ def true_gradient(pi, trajs: Sequence, sketch: Sketch, args: arco.Args, path: Pa
             if not idx:
                 continue
             steps = [(st, A[i]) for i in idx for st in trajs[i].steps if st.valid]
-            seqs, lens = rubric_model.policy_sequences(pi, [st for st, _ in steps])
+            seqs, lens = passes.policy_sequences(pi, [st for st, _ in steps])
             units, at = [], 0
             for i in idx:
                 n = sum(st.valid for st in trajs[i].steps)
@@ -239,7 +247,7 @@ def true_gradient(pi, trajs: Sequence, sketch: Sketch, args: arco.Args, path: Pa
             for p in params:
                 p.grad = None
             adv = torch.tensor([a for _, a in steps])
-            for p in rubric_model.training_passes(pi, seqs, lens, budget=args.pass_tokens, units=units):
+            for p in passes.training_passes(pi, seqs, lens, budget=args.pass_tokens, units=units):
                 (-(adv[p.index].to(p.logprobs.device) * (p.logprobs * p.mask).sum(-1)).sum() / half).backward()
             halves[h] -= sketch(flat_grad(params))          # the loss's gradient is −g
         torch.save({"trajectories": min(start + chunk, len(trajs)), "halves": halves, "fingerprint": fingerprint},
@@ -258,9 +266,8 @@ def probe_mu_scores(mu_dir: Path, trajs: Sequence, args: arco.Args, path: Path,
     mu = None
     chunk = PROBE["chunk"] * 2
     for start in tqdm(range(done["trajectories"], len(trajs), chunk), desc=f"μ scores ({mu_dir.name})"):
-        mu = mu or rubric_model.RubricModel.load(mu_dir, device=args.device, dtype=args.dtype, autocast=args.autocast,
-                                                 engine=args.engine)
-        contexts = [c for t in trajs[start:start + chunk] for c in rubric_model.contexts_from_trajectory(t)]
+        mu = mu or RubricModel.load(mu_dir, **loading(args))
+        contexts = [c for t in trajs[start:start + chunk] for c in contexts_from_trajectory(t)]
         _, scores = mu.annotate(contexts, args.rubric_temperature, args.max_new_tokens_mu, args.gen_batch)
         s.append(scores.s.float().cpu())
         torch.save({"trajectories": min(start + chunk, len(trajs)), "s": torch.cat(s), "fingerprint": fingerprint},
@@ -268,7 +275,7 @@ def probe_mu_scores(mu_dir: Path, trajs: Sequence, args: arco.Args, path: Path,
     s = torch.cat(s)
     steps = sum(len(t.steps) for t in trajs)
     if len(s) != steps:
-        raise env.DataError(f"{path} holds {len(s)} step scores, the pool {steps} steps: delete it to score again")
+        raise DataError(f"{path} holds {len(s)} step scores, the pool {steps} steps: delete it to score again")
     return s
 
 
@@ -294,7 +301,7 @@ def branch_rollouts(pi, trajs: Sequence, args: arco.Args, path: Path, seed: int,
     rewards are exact given the answer. {(trajectory, t): the continuations' R}. Kept in `path` a chunk of
     prefixes at a time (resumable), each row with the pool's fingerprint and the steps its continuations took."""
     from tqdm import tqdm
-    rows = env.read_jsonl(path) if path.is_file() else []
+    rows = read_jsonl(path) if path.is_file() else []
     for r in rows:
         same_pool(path, r.get("pool"), fingerprint)
     done = {(r["trajectory"], r["t"]): r["rewards"] for r in rows}
@@ -307,14 +314,14 @@ def branch_rollouts(pi, trajs: Sequence, args: arco.Args, path: Path, seed: int,
                 starts.append(env.Trajectory(trajs[i].example, trajs[i].max_searches, list(trajs[i].steps[:t])))
                 seeds.append(branch_seed(seed, i, t, j))
                 keys.append((i, t))
-        act = rubric_model.policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch)
+        act = passes.policy_act(pi, args.rollout_temperature, args.max_new_tokens_pi, args.gen_batch)
         ends = env.play(starts, act, retriever, args.obs_chars, seeds=seeds)
         new: dict = {}
         for (i, t), e in zip(keys, ends):
             row = new.setdefault((i, t), {"trajectory": i, "t": t, "rewards": [], "steps": 0, "pool": fingerprint})
             row["rewards"].append(e.reward)
             row["steps"] += len(e.steps) - t
-        env.write_jsonl(path, list(new.values()), append=True)
+        write_jsonl(path, list(new.values()), append=True)
         done.update({k: r["rewards"] for k, r in new.items()})
     return done
 
@@ -619,27 +626,27 @@ def probe(argv: Sequence[str], points: Sequence[str], seed: int) -> Path:
         folder = out / f"probe-{point}-s{seed}"
         folder.mkdir(parents=True, exist_ok=True)
         seconds = json.loads((folder / "seconds.json").read_text()) if (folder / "seconds.json").is_file() else {}
-        load = dict(device=base.device, dtype=base.dtype, autocast=base.autocast, engine=base.engine)
-        mus = {"warmup": warm / warmup.mu_dir_name(dataclasses.asdict(base))}
+        load = loading(base)
+        mus = {"warmup": warm / mu_dir_name(dataclasses.asdict(base))}
         if point == "sft":
             pi_dir = warm / "pi_sft"
-            pi, _ = rubric_model.load_backbone_checkpoint(pi_dir, **load)
+            pi, _ = models.load_backbone_checkpoint(pi_dir, **load)
             torch.manual_seed(seed)                          # the RL adapter's initialization, as arco.run
-            rubric_model.add_lora(pi, dropout=0.0)
+            models.add_lora(pi, dropout=0.0)
         else:
             sparse = run_once(study_args(argv, epochs=base.sparse_epochs, warmup_dir=str(warm), seed=seed,
                                          name=f"sparse-s{seed}"))
             at = sparse / "checkpoints" / f"epoch_{base.sparse_epochs}"
             pi_dir = at / "pi"
-            pi, _ = rubric_model.load_backbone_checkpoint(pi_dir, **load)
+            pi, _ = models.load_backbone_checkpoint(pi_dir, **load)
             mus = {"fork": at / "mu"}
-        sketch = Sketch(rubric_model.trainable_parameters(pi.model), PROBE["dims"])
+        sketch = Sketch(models.trainable_parameters(pi.model), PROBE["dims"])
 
         def stage(name, fn):
             t0 = time.time()
             value = fn()
             seconds[name] = seconds.get(name, 0.0) + time.time() - t0
-            env.write_json(folder / "seconds.json", seconds)
+            write_json(folder / "seconds.json", seconds)
             return value
         n, k, pi_id = PROBE["questions"], PROBE["samples"], checkpoint_id(pi_dir)
         pool, pool_fp = stage("rollouts (batch pool)", lambda: probe_rollouts(
@@ -655,7 +662,7 @@ def probe(argv: Sequence[str], points: Sequence[str], seed: int) -> Path:
         scores = {"causal": [ground_truth_scores(t, "causal") for t in pool]}
         for name, mu_dir in mus.items():
             if not (mu_dir / "config.json").is_file():
-                raise env.DataError(f"no μ in {mu_dir} yet: the study's warmup makes it (python study.py fork ...)")
+                raise DataError(f"no μ in {mu_dir} yet: the study's warmup makes it (python -m lab.study fork ...)")
             s = stage(f"μ scores ({name})", lambda: probe_mu_scores(mu_dir, pool, base, folder / f"mu-{name}.pt",
                                                                     pool_fp))
             scores[name] = [s[r.start:r.stop].tolist() for r in env.step_ranges(pool)]
@@ -669,7 +676,7 @@ def probe(argv: Sequence[str], points: Sequence[str], seed: int) -> Path:
         branch = branch_values(pool, done, BRANCH["questions"], k)
         ceiling = probe_stats(grads, offsets, pool, scores, values, gstar, CEILING + [f"{m} state" for m in mus],
                               BRANCH["questions"], k, base.alpha, base.bucket_fallback, branch=branch, pairs=pairs)
-        brows = env.read_jsonl(folder / "branches.jsonl")
+        brows = read_jsonl(folder / "branches.jsonl")
         facts = {"point": point, "seed": seed, "pool": {"trajectories": len(pool), "questions": n,
                  "steps": int(grads.shape[0]), "mean_R": sum(t.reward for t in pool) / len(pool),
                  "fingerprint": pool_fp, "pi": pi_id},
@@ -684,7 +691,7 @@ def probe(argv: Sequence[str], points: Sequence[str], seed: int) -> Path:
                             "valid_steps": sum(st.valid for t in pool[:BRANCH["questions"] * k] for st in t.steps)},
                  "sketch": json.loads((folder / "sketch.json").read_text()), "seconds": seconds, "rows": rows,
                  "ceiling": ceiling, "favoured": favoured(rows)}
-        env.write_json(folder / "probe.json", facts)
+        write_json(folder / "probe.json", facts)
         print(probe_markdown(facts))
     return out
 
@@ -747,7 +754,7 @@ def probe_markdown(facts: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    pre = argparse.ArgumentParser(prog="probe.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    pre = argparse.ArgumentParser(prog="python -m lab.probe", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     pre.add_argument("--at", nargs="+", default=["sft", "fork"], choices=["sft", "fork"],
                      help="sft: π_sft and the warmup μ; fork: π and μ at the seed's fork (its sparse phase run if missing)")
     pre.add_argument("--probe-seed", type=int, default=0, help="the study seed whose warmup, fork and questions are used")
@@ -756,4 +763,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main_guard(main, env.DataError, rubric_model.ModelLoadError)
+    main_guard(main, DataError, models.ModelLoadError)

@@ -1,14 +1,13 @@
 """The fast engine (`--engine fast`, the default): the same passes and the same replies as the plain engine of
-rubric_model.py, computed with less repeated work. Nothing of the algorithm names this file: arco.py and warmup.py
-call rubric_model's interface (training_passes, generate, policy_act, RubricModel.annotate), which runs the engine
-a backbone was loaded with (Backbone.engine); importing this file registers "fast" in rubric_model.ENGINES
-(warmup.py does, at its top).
+infra/passes.py, computed with less repeated work. Nothing of the algorithm names this file: arco.py and warmup.py
+call the passes' interface (training_passes, generate, policy_act, RubricModel.annotate), which runs the engine
+a backbone was loaded with (Backbone.engine: FAST, chosen by --engine through infra/engines.py).
 
 Top to bottom: 1. shared prefixes run once (SharedPrefix); 2. packing, each shared token once in a row with a
 tree-shaped mask (pack, packed_steps, reference_logq), in passes of at most --pass-tokens tokens (token_passes);
 3. the training passes (fast_passes), a unit longer than the budget recomputed in the backward; 4. decoding
 (decode): a packed prefill, rows leaving as they finish, a PromptMemo of a rollout's previous round; 5. what it
-refuses at load (check_supported), and its entry in rubric_model.ENGINES.
+refuses at load (check_supported), and the engine itself (FAST).
 
 Every piece is checked against the plain engine or transformers' own code, computed in the test on the same
 machine (tests/test_rubric_model.py, tests/test_engines.py): equal up to floating-point rounding.
@@ -22,9 +21,8 @@ from typing import Callable, Sequence
 
 import torch
 
-import rubric_model
-from rubric_model import (Backbone, Generation, ModelLoadError, Pass, end_of_reply, length_batches, lm_logits,
-                          reference, token_kl, trainable_parameters)
+from infra.models import Backbone, ModelLoadError, reference, trainable_parameters
+from infra.passes import Engine, Generation, Pass, end_of_reply, length_batches, lm_logits, token_kl
 
 
 # ----------------------------------------------------------------------------------------
@@ -277,7 +275,7 @@ def token_passes(seqs: Sequence[Sequence[int]], budget: int | None, start: int =
 
 
 # ----------------------------------------------------------------------------------------
-# 3. The training passes of the fast engine (rubric_model.training_passes with engine "fast")
+# 3. The training passes of the fast engine (infra.passes.training_passes with engine FAST)
 # ----------------------------------------------------------------------------------------
 
 def fast_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool, budget: int, units: list[list[int]]):
@@ -547,7 +545,7 @@ def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
 
 
 # ----------------------------------------------------------------------------------------
-# 5. What the engine refuses at load, and its entry in rubric_model.ENGINES
+# 5. What the engine refuses at load, and the engine itself
 # ----------------------------------------------------------------------------------------
 
 def check_supported(model: torch.nn.Module, name: str) -> None:
@@ -569,6 +567,5 @@ def check_supported(model: torch.nn.Module, name: str) -> None:
                              f"or --engine plain")
 
 
-# The engine's entry in rubric_model's table: `--engine fast` (Backbone.engine) runs these.
-rubric_model.ENGINES["fast"] = rubric_model.Engine(passes=fast_passes, decode=decode, memo=PromptMemo,
-                                                   check=check_supported)
+# The engine: `--engine fast` (Backbone.engine) runs these.
+FAST = Engine(passes=fast_passes, decode=decode, memo=PromptMemo, check=check_supported)

@@ -29,13 +29,19 @@ import torch.nn.functional as F
 
 import arco
 import env
-import plumbing
-import teachers
-from config import ModelSettings, fill_from_preset, main_guard, parse_args
-from rubric_model import (EXAMPLES, ModelLoadError, Rubric, RubricModel,
-                          StepContext, add_lora, step_text, chat_prompt_ids, contexts_from_trajectory, encode_response, generate,
-                          last_hidden_states, load_backbone, mean_pool, pad_right, policy_act, sequence_logprobs,
-                          trainable_parameters)
+import warmup
+from infra.data import DataError
+from infra.engines import ENGINES, loading
+from infra.estimate import memory_estimate
+from infra.files import read_jsonl, write_json, write_jsonl
+from infra.memory import peak_rss_gib
+from infra.models import ModelLoadError, add_lora, fresh_adapter, load_backbone, load_backbone_checkpoint, trainable_parameters
+from infra.oracle import OracleTeacher
+from infra.parallel import Workers
+from infra.passes import (chat_prompt_ids, encode_response, generate, last_hidden_states, pad_right, policy_act,
+                          sequence_logprobs)
+from infra.settings import ModelSettings, fill_from_preset, main_guard, parse_args
+from rubric_model import EXAMPLES, Rubric, RubricModel, StepContext, contexts_from_trajectory, mean_pool, step_text
 
 
 @dataclass
@@ -83,7 +89,7 @@ def best_times(passes: dict, repeats: int) -> dict:
 def passes_benchmark(args: PassesArgs) -> dict:
     """`python benchmark.py passes`: tokens/s of the passes ARCO trains with (random tokens, fixed shapes), fp32
     against bf16 autocast; how far autocast moves a real loss; batched against one-at-a-time generation."""
-    bb = add_lora(load_backbone(args.model, args.device, args.dtype, autocast="off", engine=args.engine))
+    bb = add_lora(load_backbone(args.model, args.device, args.dtype, autocast="off", engine=ENGINES[args.engine]))
     bb.model.train()
     mu = RubricModel(bb, k=args.k)
     B, L, R = args.batch, args.tokens, args.response
@@ -213,7 +219,7 @@ def parse_rate_benchmark(args: ParseRateArgs) -> dict:
     """`python benchmark.py parse-rate`: on the scripted steps of --examples synthetic dev questions, how often the
     untrained μ writes valid K-criteria JSON (parse_rate), with a few of its rubrics, parsed or not."""
     from tqdm import tqdm
-    mu = RubricModel(load_backbone(args.model, args.device, args.dtype, args.autocast, engine=args.engine), k=args.k,
+    mu = RubricModel(load_backbone(args.model, args.device, args.dtype, args.autocast, engine=ENGINES[args.engine]), k=args.k,
                      rubric_mode=args.rubric)
     contexts = [c for t in scripted_trajectories(args.examples, args.seed) for c in contexts_from_trajectory(t)]
     rubrics: list[Rubric] = []
@@ -239,14 +245,14 @@ def save_batch(path: Path, trajs) -> None:
         for st, saved in zip(t.steps, row["steps"]):
             saved["output_ids"] = st.output_ids
         rows.append(row)
-    env.write_jsonl(path, rows)
+    write_jsonl(path, rows)
 
 
 def load_batch(path: Path, examples) -> list:
     """save_batch's trajectories again, with the prompts π saw (rebuilt exactly as env.rollout makes them)."""
     by_id = {ex.id: ex for ex in examples}
     trajs = []
-    for row in env.read_jsonl(path):
+    for row in read_jsonl(path):
         t = env.Trajectory(by_id[row["id"]], row["max_searches"], answer=row["answer"], reward=row["reward"],
                            finished=row["finished"])
         for s in row["steps"]:
@@ -305,15 +311,18 @@ def loop_benchmark(args: arco.Args) -> dict:
     phase by phase, each beside its raw rate measured in the same process on the same shapes (raw_rates).
     π's rollout of these questions is timed on every call; the later phases all process one fixed batch, saved by the first
     call in runs/<dataset>/benchmark/batch.jsonl: the oracle teacher's trajectories on the same questions
-    (gold and imperfect ones, teachers.oracle_script), which hold the valid Search/Finish steps of a policy
+    (gold and imperfect ones, infra.oracle.oracle_script), which hold the valid Search/Finish steps of a policy
     that works, whatever the preset's π does."""
     bench = Path(args.out_dir) / args.dataset / "benchmark"
-    warmup_dir = plumbing.ensure_warmup(args, with_mu=True)
-    questions = plumbing.training_questions(args, warmup_dir)[:args.batch_size]
+    warm = warmup.ensure(args, with_mu=True)
+    questions = env.training_questions(args.dataset, args.data_dir or None, args.train_size, args.seed,
+                                       warm.taught if args.warmup_questions == "before" else frozenset())[:args.batch_size]
     retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)
     torch.manual_seed(args.seed)
-    pi, mu = plumbing.build_models(args, warmup_dir, with_mu=True)
-    opt_pi, opt_mu = plumbing.make_optimizers(pi, mu, args)
+    pi = fresh_adapter(load_backbone_checkpoint(warm.pi, **loading(args))[0], args.lora_dropout)
+    mu = RubricModel.load(warm.mu, **loading(args)).fresh_adapter(args.lora_dropout)
+    opt_pi, opt_mu = arco.make_optimizers(pi, mu, args)
+    one = Workers()
     env.rollout(questions[:1], policy_act(pi, 0.0, 4, 1), retriever)     # warm-up: index, kernels
     phases: dict[str, dict] = {}
 
@@ -328,15 +337,15 @@ def loop_benchmark(args: arco.Args) -> dict:
                                                                            args.max_new_tokens_pi, args.gen_batch),
                                                     retriever, args.max_searches, args.obs_chars))
     if not (bench / "batch.jsonl").is_file():
-        oracle = teachers.OracleTeacher(seed=args.seed, obs_chars=args.obs_chars)
+        oracle = OracleTeacher(env, seed=args.seed, obs_chars=args.obs_chars)
         save_batch(bench / "batch.jsonl", oracle.rollout([(q, i % 4) for i, q in enumerate(questions)], retriever)[0])
     trajs = load_batch(bench / "batch.jsonl", questions)
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
-    _, rubrics, _, s = timed("μ rubrics + scores", lambda: arco.annotate(mu, trajs, args))
+    _, rubrics, _, s = timed("μ rubrics + scores", lambda: arco.annotate(mu, trajs, args, one))
     A, _ = arco.advantages(trajs, s, True, args)
-    timed("π update", lambda: arco.policy_update(pi, opt_pi, trajs, A, args, args.kl_pi_dense))
-    timed("μ update", lambda: arco.rubric_update(mu, opt_mu, trajs, contexts, rubrics, args))
-    peak_gib = plumbing.peak_rss_gib()
+    timed("π update", lambda: arco.policy_update(pi, opt_pi, trajs, A, args, args.kl_pi_dense, one))
+    timed("μ update", lambda: arco.rubric_update(mu, opt_mu, trajs, contexts, rubrics, args, one))
+    peak_gib = peak_rss_gib()
     gpu_gib = torch.cuda.max_memory_allocated() / 2 ** 30 if pi.device.type == "cuda" else None
 
     # Token counts of each phase and the raw rates of the same kinds of pass on the same shapes.
@@ -378,7 +387,7 @@ def loop_benchmark(args: arco.Args) -> dict:
     result = {"dataset": args.dataset, "preset": args.preset, "trajectories": len(trajs), "steps": len(contexts),
               "seconds": total, "trajectories_per_minute": 60 * len(trajs) / total, "peak_rss_gib": peak_gib,
               "phases": phases, "raw_rates": {"π": rate_pi, "μ": rate_mu}, "threads": torch.get_num_threads()}
-    estimate = plumbing.memory_estimate(args)
+    estimate = memory_estimate(args)
     dense_epoch = math.ceil(args.train_size / args.batch_size) * total       # a dense epoch: train_size / |B| updates
     result.update(peak_gpu_gib=gpu_gib, estimate_gib=estimate.get("peak_gib"), dense_epoch_seconds=dense_epoch)
     lines += [f"{'all':22s} {total:8.1f}   →  {result['trajectories_per_minute']:.2f} trajectories per minute; "
@@ -393,7 +402,7 @@ def loop_benchmark(args: arco.Args) -> dict:
               "mean length (tokens: new tokens for generation, sequence tokens otherwise)"]
     print("\n".join(lines))
     bench.mkdir(parents=True, exist_ok=True)
-    env.write_json(bench / f"loop-{time.strftime('%Y%m%d-%H%M%S')}.json", result)
+    write_json(bench / f"loop-{time.strftime('%Y%m%d-%H%M%S')}.json", result)
     return result
 
 
@@ -409,7 +418,7 @@ def sample_rubric(args: ModelArgs) -> None:
     """`python benchmark.py sample`: an untrained μ (the --model backbone, a fresh score head, two worked examples in
     its prompt) writes and scores a rubric for SAMPLE_STEP (plain engine)."""
     start = time.perf_counter()
-    bb = load_backbone(args.model, args.device, args.dtype, args.autocast, engine="plain")
+    bb = load_backbone(args.model, args.device, args.dtype, args.autocast, engine=ENGINES["plain"])
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s on {bb.device}", flush=True)
     mu = RubricModel(bb, k=args.k, rubric_mode=args.rubric, examples=2, rubric_format=args.rubric_format)
     rubric = mu.generate_rubrics([SAMPLE_STEP], args.rubric_temperature, args.max_new_tokens_mu)[0]
@@ -446,4 +455,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main_guard(main, env.DataError, ModelLoadError)
+    main_guard(main, DataError, ModelLoadError)

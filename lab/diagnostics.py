@@ -61,20 +61,27 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-import env
-from env import step_usefulness
-import warmup
 import arco
-import plumbing
+import env
 import rubric_model
-import teachers
-from config import DataSettings, Split, fill_from_preset, main_guard, parse_args
-from evaluate import _average_ranks, auc, exact_match, f1_score, format_table
+from evaluate import auc, average_ranks, exact_match, f1_score, format_table, report_predictions
+from infra import models
+from infra.data import GENERATED, DataError, find_data_file
+from infra.engines import ENGINES
+from infra.files import read_jsonl, write_json, write_jsonl
+from infra.oracle import OracleTeacher, evidence_found
+from infra.openai_teacher import chat_completion
+from infra.passes import policy_act
+from infra.runs import trace_rows
+from infra.settings import DATASETS, DataSettings, Split, fill_from_preset, main_guard, parse_args
+from infra.teachers import TeacherError
+from infra.warmups import mu_dir_name
+from lab.truth import step_usefulness
 
 
 @dataclass
 class Args(DataSettings, Split):
-    """diagnostics.py's command line: the shared settings (config.DataSettings, --split), then its own."""
+    """The command line: the shared settings (infra.settings.DataSettings, --split), then its own."""
     run: list[str] | None = field(default=None, metadata={"path": "dir",
         "help": "a run folder runs/<dataset>/<name>; repeat (--run A --run B) or list several to compare them; "
                 "the outputs go into the first"})
@@ -103,7 +110,12 @@ class Args(DataSettings, Split):
     check_gold: bool = field(default=False, metadata={
         "help": "measure how often the oracle's gold trajectories retrieve every supporting paragraph"})
     check_size: int = field(default=0, metadata={
-        "help": "questions measured by --check-retrieval / --check-gold (0 = the whole split; synthetic: 200)"})
+        "help": "questions measured by --check-retrieval / --check-gold / --predictions (0 = the whole split; "
+                "synthetic: 200)"})
+    check_files: bool = field(default=False, metadata={
+        "help": "load every data file asked for (--dataset all --split all: every one): questions loaded and skipped"})
+    predictions: str = field(default="", metadata={"path": "file", "help": 'score this JSONL of {"id": ..., "answer": ...} '
+                                                  "against --dataset/--split (EM, F1, per question type)"})
 
     def __post_init__(self):
         fill_from_preset(self)
@@ -128,9 +140,9 @@ def gold_evidence_rate(examples: Sequence, retriever, obs_chars: int = 400) -> d
     `fits_budget`: questions with no more supporting paragraphs than searches (2Wiki
     bridge_comparison needs 4 with a budget of 3) and the share of those with all evidence.
     """
-    teacher = teachers.OracleTeacher(obs_chars=obs_chars)
+    teacher = OracleTeacher(env, obs_chars=obs_chars)
     trajs, metas = teacher.rollout([(ex, 0) for ex in examples], retriever)
-    found = [teachers.evidence_found(t) for t in trajs]
+    found = [evidence_found(t) for t in trajs]
     fits = [m["evidence_fits_budget"] for m in metas]
     n, nf = len(trajs), sum(fits)
     by_type = {}
@@ -146,7 +158,7 @@ def check_data(args) -> None:
     """--check-retrieval: how often a supporting paragraph's title, as a query, retrieves a supporting paragraph;
     --check-gold: how often the oracle teacher's gold trajectories retrieve every supporting paragraph."""
     retriever = env.Retriever(args.retriever or None, pooling=args.retriever_pooling)
-    for ds in (env.DATASETS if args.dataset == "all" else [args.dataset]):
+    for ds in (DATASETS if args.dataset == "all" else [args.dataset]):
         for sp in (("train", "dev") if args.split == "all" else [args.split]):
             examples = env.load_split(ds, sp, args.data_dir or None, args.check_size or None, args.seed)
             if args.check_retrieval:
@@ -236,7 +248,7 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
         raise ValueError(f"spearman: {len(x)} vs {len(y)} values")
     if len(x) < 2:
         return None
-    rx, ry = _average_ranks(x), _average_ranks(y)
+    rx, ry = average_ranks(x), average_ranks(y)
     mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
     sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
     sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
@@ -488,9 +500,9 @@ class OpenAIJudge:
     def chat(self, messages: list[dict]) -> str | None:
         """One greedy completion (teachers.chat_completion, with its retries); None when the API fails for good."""
         try:
-            return teachers.chat_completion(self.client, self.model, messages, 0.0, self.max_tokens, self.max_retries,
+            return chat_completion(self.client, self.model, messages, 0.0, self.max_tokens, self.max_retries,
                                           self.backoff, self.counters, self.lock)
-        except teachers.TeacherError as e:
+        except TeacherError as e:
             self.last_error = str(e)
             return None
 
@@ -715,7 +727,7 @@ class Run:
         return self.dir / "checkpoints" / self.checkpoint / "pi"
 
     def warmup_mu_dir(self) -> Path:
-        return self.warmup_dir / warmup.mu_dir_name(self.args)
+        return self.warmup_dir / mu_dir_name(self.args)
 
     def mu_dirs(self) -> list[tuple[int, Path]]:
         """(epoch, folder) of μ after each finished RL epoch, in order."""
@@ -727,10 +739,10 @@ class Run:
         return sorted(found)
 
     def metrics(self) -> list[dict]:
-        return env.read_jsonl(self.dir / "metrics.jsonl")
+        return read_jsonl(self.dir / "metrics.jsonl")
 
     def training_traces(self, epoch: int) -> list[dict]:
-        return env.read_jsonl(self.dir / "traces" / f"epoch_{epoch}.jsonl")
+        return read_jsonl(self.dir / "traces" / f"epoch_{epoch}.jsonl")
 
     def trace_epochs(self) -> list[int]:
         return sorted(int(p.stem.split("_")[1]) for p in (self.dir / "traces").glob("epoch_*.jsonl")
@@ -802,7 +814,7 @@ def evaluation(run: Run, split: str, data_dir: str | None, device: str, reevalua
                        None)
             if row is not None:
                 traces = run.dir / "traces" / f"eval_epoch_{run.epoch}.jsonl"
-                by_type = trajectory_scores(env.read_jsonl(traces))["by_type"] if traces.is_file() else {}
+                by_type = trajectory_scores(read_jsonl(traces))["by_type"] if traces.is_file() else {}
                 return {**{k: row[k] for k in _METRICS if k in row}, "by_type": by_type,
                         "source": f"the run's own evaluation (metrics.jsonl, epoch {run.epoch})"}
         if stored.is_file():
@@ -812,15 +824,15 @@ def evaluation(run: Run, split: str, data_dir: str | None, device: str, reevalua
                               a.get("seed", 0))
     print(f"[evaluate] {run.name}: evaluating {run.checkpoint} greedily on {len(examples)} {split} questions",
           flush=True)
-    pi, _ = rubric_model.load_backbone_checkpoint(run.policy_dir(), device=device, dtype=dtype)
-    act = rubric_model.policy_act(pi, 0.0, a["max_new_tokens_pi"], a.get("gen_batch") or 16)        # greedy
+    pi, _ = models.load_backbone_checkpoint(run.policy_dir(), device=device, dtype=dtype, engine=ENGINES["fast"])
+    act = policy_act(pi, 0.0, a["max_new_tokens_pi"], a.get("gen_batch") or 16)        # greedy
     scores, trajs = env.evaluate(examples, act, _retriever(), a.get("max_searches"), a["obs_chars"])
     del pi
-    rows = [{**row, "checkpoint": run.checkpoint} for row in plumbing.trace_rows(trajs, run.epoch, -1)]
+    rows = [{**row, "checkpoint": run.checkpoint} for row in trace_rows(trajs, run.epoch, -1)]
     result = {**{k: scores[k] for k in _METRICS if k in scores}, "by_type": trajectory_scores(rows)["by_type"],
               "checkpoint": run.checkpoint, "split": split}
-    env.write_jsonl(stored.with_suffix(".jsonl"), rows)
-    env.write_json(stored, result)
+    write_jsonl(stored.with_suffix(".jsonl"), rows)
+    write_json(stored, result)
     return {**result, "source": f"evaluated now, stored: {stored}"}
 
 
@@ -845,7 +857,7 @@ def warmup_rows(runs: Sequence[Run]) -> list[dict]:
 def question_em(run: Run, epoch: int) -> dict[str, float]:
     """{question id: EM in %} of the run's own greedy dev evaluation at `epoch` (traces/eval_epoch_K.jsonl;
     R(τ) is EM, Alg. 1 line 23); {} when the run kept no such traces."""
-    return {r["id"]: 100.0 * r["reward"] for r in env.read_jsonl(run.dir / "traces" / f"eval_epoch_{epoch}.jsonl")}
+    return {r["id"]: 100.0 * r["reward"] for r in read_jsonl(run.dir / "traces" / f"eval_epoch_{epoch}.jsonl")}
 
 
 def paired_difference(before: dict[str, float], after: dict[str, float]) -> dict | None:
@@ -1145,7 +1157,7 @@ def heldout_set(run: Run, n_questions: int, samples: int, seed: int, data_dir: s
     environment. Returns (trajectories, oracle metas, step labels)."""
     a = run.args
     examples = env.load_split(a["dataset"], "dev", data_dir or a.get("data_dir") or None, n_questions, seed)
-    teacher = teachers.OracleTeacher(seed=seed, obs_chars=a.get("obs_chars") or 400)
+    teacher = OracleTeacher(env, seed=seed, obs_chars=a.get("obs_chars") or 400)
     trajs, metas = teacher.rollout([(ex, s) for ex in examples for s in range(samples)], _retriever())
     return trajs, metas, [step_usefulness(t) for t in trajs]
 
@@ -1155,7 +1167,7 @@ def untrained_mu(warm_mu: Path, device: str, seed: int, dtype: str = "auto"):
     by `seed` (ScoreHead's own initialization)."""
     config = json.loads((warm_mu / "config.json").read_text())
     m = config["rubric_model"]
-    backbone = rubric_model.load_backbone(config["base_model"], device=device, dtype=dtype)
+    backbone = models.load_backbone(config["base_model"], device=device, dtype=dtype, engine=ENGINES["fast"])
     torch.manual_seed(seed)
     return rubric_model.RubricModel(backbone, m["k"], m["rubric_mode"], m["head_hidden"], m["static_criteria"],
                                     m.get("examples", 2))
@@ -1275,7 +1287,7 @@ def diagnose_mu(run: Run, args: "Args") -> dict:
         print(f"[evaluate] credit assignment: scoring {heldout['steps']} held-out steps with the {name} μ",
               flush=True)
         mu = untrained_mu(run.warmup_mu_dir(), args.device, args.seed, args.dtype) if folder is None \
-            else rubric_model.RubricModel.load(folder, device=args.device, dtype=args.dtype)
+            else rubric_model.RubricModel.load(folder, device=args.device, dtype=args.dtype, engine=ENGINES["fast"])
         s, parse_rate = heldout_scores(mu, trajs, a.get("max_new_tokens_mu") or 128, a.get("gen_batch") or 16)
         del mu
         row = {"stage": name, "x": x,
@@ -1431,7 +1443,7 @@ def diagnose(runs: Sequence[Run], args: "Args") -> dict[str, Path]:
     files["diagnostics.json"] = "every number above, and the data of each figure"
     files["diagnostics.md"] = "these tables"
     d["files"] = files
-    env.write_json(out / "diagnostics.json", d)
+    write_json(out / "diagnostics.json", d)
     (out / "diagnostics.md").write_text(diagnostics_markdown(d), encoding="utf-8")
     return {f: out / f for f in ("diagnostics.md", "diagnostics.json", "dev_em.png", "train_reward.png",
                                  "bucket_scores.png", "credit_auc.png", "trajectories.html")}
@@ -1456,7 +1468,7 @@ def run_command(args: "Args") -> None:
     stem = "comparison" if args.split == "dev" else f"comparison-{args.split}"
     md = comparison_markdown(comp)
     (runs[0].dir / f"{stem}.md").write_text(md, encoding="utf-8")
-    env.write_json(runs[0].dir / f"{stem}.json", comp)
+    write_json(runs[0].dir / f"{stem}.json", comp)
     print(md)
     written = {"comparison table": runs[0].dir / f"{stem}.md", "comparison data": runs[0].dir / f"{stem}.json"}
     if args.diagnose:
@@ -1466,23 +1478,51 @@ def run_command(args: "Args") -> None:
         print(f"  {what}: {path}")
 
 
+def load_report(datasets: Sequence[str], splits: Sequence[str], data_dir: str | None) -> list[dict]:
+    """--check-files: load every file asked for; count examples loaded and skipped (with reasons)."""
+    rows = []
+    for ds in datasets:
+        for sp in splits:
+            if ds in GENERATED:
+                n = len(env.synthetic_examples(200, split=sp, long=ds == "synthetic-long"))
+                rows.append({"dataset": ds, "split": sp, "file": "(generated)", "loaded": n, "skipped": "0"})
+                continue
+            path = find_data_file(ds, sp, data_dir)
+            examples, skipped = env.read_examples(path, ds)
+            rows.append({"dataset": ds, "split": sp, "file": str(path), "loaded": len(examples),
+                         "skipped": ", ".join(f"{n} {why}" for why, n in skipped.items()) or "0"})
+    return rows
+
+
+def files_and_predictions(args) -> None:
+    """--check-files (counts and skips of every file asked for) or --predictions (EM / F1 of a file of answers)."""
+    if args.predictions:
+        if args.dataset == "all" or args.split == "all":
+            sys.exit("error: --predictions scores one --dataset and one --split")
+        examples = env.load_split(args.dataset, args.split, args.data_dir or None, args.check_size or None, args.seed)
+        sys.exit(report_predictions(args.predictions, examples, f"{args.dataset}/{args.split}"))
+    splits = ("train", "dev") if args.split == "all" else [args.split]
+    for row in load_report(DATASETS if args.dataset == "all" else [args.dataset], splits, args.data_dir):
+        print(f"{row['dataset']:>14}/{row['split']:<5} loaded {row['loaded']:>5}  skipped {row['skipped']:<24} {row['file']}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(Args, argv, description=__doc__)
-    if args.check_retrieval or args.check_gold:
+    if args.check_retrieval or args.check_gold or args.check_files or args.predictions:
         try:
-            return check_data(args)
-        except env.DataError as e:
+            return check_data(args) if args.check_retrieval or args.check_gold else files_and_predictions(args)
+        except DataError as e:
             sys.exit(f"error: {e}")
     if not args.run:
-        print("error: give --run DIR (one or more; to score a predictions file: env.py --predictions)",
+        print("error: give --run DIR (one or more; to score a predictions file: --predictions FILE)",
               file=sys.stderr)
         sys.exit(2)
     try:
         run_command(args)
-    except (RunError, env.DataError, FileNotFoundError, ValueError) as e:
+    except (RunError, DataError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
 if __name__ == "__main__":
-    main_guard(main, env.DataError, rubric_model.ModelLoadError)
+    main_guard(main, DataError, models.ModelLoadError)

@@ -45,15 +45,21 @@ from typing import Iterable, Sequence
 
 import torch
 
-import env
-import warmup
 import arco
-import plumbing
+import env
 import rubric_model
-from env import step_usefulness
-from teachers import _cycle, _plural
-from config import main_guard, parse_args
+import warmup
 from evaluate import auc
+from infra.data import DataError
+from infra.engines import loading
+from infra.files import read_jsonl, write_json, write_jsonl
+from infra.models import ModelLoadError
+from infra.parallel import Workers
+from infra.runs import trace_rows
+from infra.settings import main_guard, parse_args
+from infra.teachers import cycle, plural
+from infra.warmups import collection_suffix, mu_dir_name
+from lab.truth import step_usefulness
 
 # Shared by every run and every μ of the study (arco.py's flag names). 32 RL questions the warmup did not use,
 # 8 trajectories an update (2 questions × 4 samples, in sparse and dense epochs alike): 16 updates an epoch.
@@ -67,7 +73,7 @@ STUDY = dict(dataset="synthetic-long", train_size=32, batch_size=8, group_size=4
              sparse_epochs=2, epochs=3, pi_lr_sparse=2e-4, pi_lr_dense=6e-5, kl_pi_sparse=0.0, kl_pi_dense=0.05,
              alpha=0.5, mu_lr=1e-5, head_lr=5e-4, rubric_format="json", eval_all=True, sft_epochs_mu=2,
              sft_batch_mu=8, sft_head_steps=500, max_new_tokens_mu=96, class_balance=True)
-# What the study adds to every run through arco.Credit: a dev evaluation on the first CURVE_SIZE dev questions
+# What the study adds to every run through its logging hook (study_hook): a dev evaluation on the first CURVE_SIZE dev questions
 # every EVAL_EVERY updates (the learning curves), and the per-update credit statistics in metrics.jsonl.
 EVAL_EVERY, CURVE_SIZE = 4, 200
 
@@ -90,7 +96,8 @@ LADDER = {
 }
 
 # The fork's arms: the sparse run each forks from, and its own settings (arco.py's flag names, and the study's own
-# `credit` — mu: μ's s_t, or a ground-truth oracle's, arm_credit — and `mixed`, kept in the run's lab.json).
+# `credit` — mu: μ's s_t, or a ground-truth oracle's, a scorer of lab/truth.py — and `mixed`, the "mixed" estimator;
+# kept in the run's lab.json; arm_credit reads them).
 ARMS = {"outcome": ("sparse", dict(reward="outcome")),                       # R(τ) − the group's mean, continuing
         "arco": ("sparse", dict()),                                          # dense, μ's s_t (Algorithm 1)
         "mixed": ("sparse", dict(mixed=True)),                               # outcome + μ's dense advantage
@@ -116,7 +123,7 @@ def study_args(argv: Sequence[str], **overrides) -> arco.Args:
     return arco.resolve_args(dataclasses.replace(defaults, **{**STUDY, **explicit, **overrides}))
 
 
-# --- what the study adds to Algorithm 1: its options, through arco.Credit --------------------------------------------
+# --- what the study adds to Algorithm 1: its options, through arco's seam (Credit, a hook) -------------------------
 
 LAB_OPTIONS = {"credit": "mu", "mixed": False}    # an arm's own settings beyond arco.py's flags (ARMS), in lab.json
 
@@ -137,41 +144,13 @@ def run_settings(run_dir: Path) -> dict:
     return saved
 
 
-def projection_credit(useful: Sequence[bool], R: float) -> list[float]:
-    """The projection oracle's s_t for one trajectory (issue 33): +1 for a useful step, −1 for a useless one
-    (step_usefulness), all shifted by one constant so that Σ_t s_t = R(τ), the decomposition Eq. 5 asks of μ.
-    The shift depends on the whole trajectory (its length and outcome): an early step's score looks into the
-    future, so this is no ceiling for a μ that sees only the prefix (issue 41)."""
-    raw = [1.0 if u else -1.0 for u in useful]
-    shift = (float(R) - sum(raw)) / len(raw)
-    return [x + shift for x in raw]
 
 
-def causal_credit(found: Sequence[bool], n_hops: int, R: float) -> list[float]:
-    """The causal oracle's s_t for one trajectory (issue 41), potential-based: Φ(h_t) = the share of the chain's
-    `n_hops` supporting paragraphs found before step t (found[k]: step k retrieved one not seen before), and
-    s_t = Φ(h_{t+1}) − Φ(h_t) for every step but the last, which closes the sum: s_T = R − Φ(h_T). Then
-    Σ_t s_t = R (Φ(h_1) = 0) and Eq. 3's return is G_t = R − Φ(h_t); a step's own score uses nothing after
-    its own observation."""
-    phi, s = 0.0, []
-    for t, new in enumerate(found):
-        if t == len(found) - 1:
-            s.append(float(R) - phi)
-        else:
-            s.append(new / n_hops)                  # Φ(h_{t+1}) − Φ(h_t)
-            phi += new / n_hops
-    return s
 
 
-def ground_truth_scores(traj, credit: str) -> list[float]:
-    """The analysis arms' s_t of a trajectory of a world whose supporting paragraphs are known."""
-    useful = step_usefulness(traj)
-    if credit == "projection":
-        return projection_credit(useful, traj.reward)
-    found = [u and st.valid and st.action == "search" for u, st in zip(useful, traj.steps)]
-    return causal_credit(found, len(traj.example.supporting), traj.reward)
 
 
+@arco.register_estimator("mixed")
 def mixed_advantages(trajs, s, dense: bool, args) -> tuple[list[list[float]], dict]:
     """The mixed arm (not ARCO; PRIME-style): in a dense epoch A_t = A_outcome(τ) + α (G_t − Ḡ_b), the outcome
     advantage (its group's or the batch's mean as the baseline, as --sparse-baseline says) plus μ's Eq. 3–4
@@ -218,28 +197,29 @@ def credit_stats(trajs, s, A, info) -> dict:
             "corr_excess_searches": corr, "singleton_buckets": singletons}
 
 
-def after_update(row: dict, trajs, s, A, info, pi, epoch: int, batch: int, batches: int, dev, retriever, run_dir: Path,
-                 args, **_) -> None:
-    """What the study logs after every update (arco.Credit.after_update): the credit statistics in the update's
+def study_hook(args) -> arco.Hook:
+    """What the study logs after every update of a run (arco.run's hook): the credit statistics in the update's
     row, and every EVAL_EVERY updates (but at an epoch's end, which evaluates anyway) a greedy evaluation on the
     first CURVE_SIZE dev questions, a `curve` row of metrics.jsonl (its traces in traces/curve_epoch_<epoch>.jsonl)."""
-    row.update(credit_stats(trajs, s, A, info))
-    if (batch + 1) % EVAL_EVERY or batch + 1 >= batches:
-        return
-    ev, curve = plumbing.evaluate_policy(pi, dev[:CURVE_SIZE], args, retriever)
-    env.write_jsonl(run_dir / "metrics.jsonl", [{"kind": "curve", "epoch": epoch, "batch": batch, **ev}], append=True)
-    env.write_jsonl(run_dir / "traces" / f"curve_epoch_{epoch}.jsonl", plumbing.trace_rows(curve, epoch, batch),
-                    append=True)
-    print(f"[study] epoch {epoch} after batch {batch}: dev EM {ev['em']:.1f} on {len(curve)} questions", flush=True)
+    run_dir = Path(args.out_dir) / args.dataset / args.name
+
+    def hook(u: arco.Update) -> None:
+        u.row.update(credit_stats(u.trajs, u.s, u.A, u.info))
+        if (u.batch + 1) % EVAL_EVERY or u.batch + 1 >= u.batches:
+            return
+        dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size, args.seed)[:CURVE_SIZE]
+        retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)
+        ev, curve = arco.dev_evaluation(u.pi, dev, args, retriever, Workers())
+        write_jsonl(run_dir / "metrics.jsonl", [{"kind": "curve", "epoch": u.epoch, "batch": u.batch, **ev}], append=True)
+        write_jsonl(run_dir / "traces" / f"curve_epoch_{u.epoch}.jsonl", trace_rows(curve, u.epoch, u.batch), append=True)
+        print(f"[study] epoch {u.epoch} after batch {u.batch}: dev EM {ev['em']:.1f} on {len(curve)} questions", flush=True)
+    return hook
 
 
 def arm_credit(options: dict) -> arco.Credit:
-    """An arm's changes to Algorithm 1: an oracle's step scores in place of μ's (no μ), the mixed advantage."""
-    credit = options.get("credit", "mu")
-    scores = None if credit == "mu" else \
-        (lambda trajs: torch.tensor([x for t in trajs for x in ground_truth_scores(t, credit)]))
-    return arco.Credit(scores=scores, advantages=mixed_advantages if options.get("mixed") else None,
-                       after_update=after_update)
+    """An arm's changes to Algorithm 1, by the seam's names: an oracle's step scores in place of μ's (lab/truth.py's
+    scorers; then no μ), the mixed estimator."""
+    return arco.Credit(scorer=options.get("credit", "mu"), estimator="mixed" if options.get("mixed") else "arco")
 
 
 # --- the μ-quality ladder (no RL) ------------------------------------------------------------------------------
@@ -277,8 +257,7 @@ def ladder(argv: Sequence[str], rows: Sequence[str]) -> Path:
         if trajs is None:
             retriever = env.shared_retriever(base.retriever or None, base.retriever_pooling)
             trajs = policy_dev_rollouts(base, folder, retriever)
-        mu = rubric_model.RubricModel.load(folder / name, device=base.device, dtype=base.dtype, autocast=base.autocast,
-                                           engine=base.engine)
+        mu = rubric_model.RubricModel.load(folder / name, **loading(base))
         done[row] = {"mu": name, "settings": LADDER[row], "command": ladder_command(row),
                      **policy_dev_auc(mu, trajs, base.gen_batch, base.max_new_tokens_mu),
                      "position": position_auc(trajs), "sft": mu_sft_facts(folder, name)}
@@ -295,7 +274,7 @@ def ladder_mu_name(settings: dict, variant: dict) -> str:
     the rarer of right and wrong finishes repeated (`balance_finishes`, -bal)."""
     own = variant.get("head_fit") == "own" and settings.get("sft_head_steps")
     policy = variant.get("policy_samples") and settings.get("mu_data", "teacher") != "teacher"
-    return (warmup.mu_dir_name(settings) + (f"-n{variant['policy_samples']}" if policy else "")
+    return (mu_dir_name(settings) + (f"-n{variant['policy_samples']}" if policy else "")
             + ("-check" if variant.get("criteria") == "check" else "") + ("-ownhead" if own else "")
             + ("-bal" if variant.get("balance_finishes") else ""))
 
@@ -317,7 +296,7 @@ def ladder_mu(args: arco.Args, folder: Path, variant: dict) -> str:
         records += warmup.policy_records(args, folder, questions, retriever, variant.get("policy_samples"))
     if args.mu_data != "policy":                           # the oracle's own trajectories
         wanted = {q.id for q in questions}
-        records += warmup.filter_records([r for r in env.read_jsonl(folder / f"records{warmup.collection_suffix(args.k)}"
+        records += warmup.filter_records([r for r in read_jsonl(folder / f"records{collection_suffix(args.k)}"
                                                                                 ".jsonl") if r["id"] in wanted
                                           and r["sample"] < args.warmup_samples], args.k, args.tol)[0]
     items = warmup.rubric_sft_examples(records)
@@ -371,19 +350,19 @@ def check_criteria(steps_before: Sequence[env.Step], step: env.Step, K: int) -> 
              f"\"{arg}\" brings back a paragraph the answer depends on, not one of: {titles}",
              f"\"{arg}\" repeats none of the {len(queries)} earlier quer{'y' if len(queries) == 1 else 'ies'}",
              "The query is short and names one entity or relation",
-             f"A search is still needed, with {_plural(step.searches_left, 'search')} left"]
+             f"A search is still needed, with {plural(step.searches_left, 'search')} left"]
     elif step.valid and step.action == "finish":
         c = [f"Finish[{arg}] gives what the question asks for",
              f"\"{arg}\" is stated in the paragraphs found: {titles}",
              f"Time to stop: the {len(found)} paragraph{'' if len(found) == 1 else 's'} found cover every link the "
              f"question names, "
-             f"{_plural(step.searches_left, 'search')} left",
+             f"{plural(step.searches_left, 'search')} left",
              "A short, well-formed answer (a name, date, number or yes/no)",
              f"\"{arg}\" agrees with the facts found"]
     else:
         c = ["The output is one well-formed Search[query] or Finish[answer] action",
              f"The step makes progress on the question ({step.reason})"]
-    return _cycle(c, K)
+    return cycle(c, K)
 
 
 def right_finish(item: dict) -> bool:
@@ -417,13 +396,13 @@ def policy_dev_rollouts(args, out_dir: Path, retriever, policy: Path | None = No
 
 def policy_dev_auc(mu, trajs: Sequence[env.Trajectory], gen_batch: int, max_new_tokens: int = 128) -> dict:
     """μ's step credit on a policy's own rollouts (policy_dev_rollouts: π_sft's before any RL, or a saved π's):
-    the AUC of s_t for useful vs useless steps (env.step_usefulness) by step type (study.py shows each μ's)."""
+    the AUC of s_t for useful vs useless steps (step_usefulness) by step type (study.py shows each μ's)."""
     contexts = [c for t in trajs for c in rubric_model.contexts_from_trajectory(t)]
     mu.eval()
     with torch.no_grad():
         _, scores = mu.annotate(contexts, 0.0, max_new_tokens, gen_batch)      # μ's own greedy rubric
     steps = [st for t in trajs for st in t.steps]
-    labels = [u for t in trajs for u in env.step_usefulness(t)]
+    labels = [u for t in trajs for u in step_usefulness(t)]
     out = {"questions": len(trajs), "steps": len(steps), "useful_share": sum(labels) / max(1, len(labels)),
            **auc_by_step_type(scores.s.tolist(), labels, [st.action if st.valid else None for st in steps])}
     print(f"[study] μ's AUC on the policy's own dev steps: search {out['search']}, finish {out['finish']}", flush=True)
@@ -434,7 +413,7 @@ def keep_row(path: Path, key: str, row: dict) -> dict:
     """Add `row` under `key` to the JSON file at `path`, read again first: another of the study's processes
     may have added its own rows since this one read it. Returns the file's rows."""
     done = {**(json.loads(path.read_text()) if path.is_file() else {}), key: row}
-    env.write_json(path, done)
+    write_json(path, done)
     return done
 
 
@@ -481,8 +460,8 @@ def run_once(args: arco.Args, options: dict | None = None) -> Path:
     with held(run_dir):
         args.resume = (run_dir / "args.json").is_file()
         print(f"[study] {args.name}: {'resuming' if args.resume else 'starting'}", flush=True)
-        env.write_json(run_dir / "lab.json", {**options, "eval_every": EVAL_EVERY, "curve_size": CURVE_SIZE})
-        return arco.run(args, credit=arm_credit(options))
+        write_json(run_dir / "lab.json", {**options, "eval_every": EVAL_EVERY, "curve_size": CURVE_SIZE})
+        return arco.run(args, credit=arm_credit(options), hooks=[study_hook(args)])
 
 
 @contextlib.contextmanager
@@ -527,18 +506,18 @@ def update_aucs(run_dir: Path) -> list[dict]:
     """Per update of a run with μ, the AUC of s_t for useful vs useless steps of its own training batch, each
     batch scored by the μ that scored it (no pooling across μ states), by step type, with the update's
     decomposition error (Eq. 5's first term)."""
-    mse = {(r["epoch"], r["batch"]): r.get("decomposition_mse") for r in env.read_jsonl(run_dir / "metrics.jsonl")
+    mse = {(r["epoch"], r["batch"]): r.get("decomposition_mse") for r in read_jsonl(run_dir / "metrics.jsonl")
            if r["kind"] == "update"}
     out = []
     for path in sorted((run_dir / "traces").glob("epoch_*.jsonl"), key=lambda f: int(f.stem.split("_")[1])):
         batches: dict = defaultdict(list)
-        for row in env.read_jsonl(path):
-            batches[row["batch"]] += [st for st in row["steps"] if "s" in st and "useful" in st]
+        for row in read_jsonl(path):                  # each step's label from the row (step_usefulness)
+            batches[row["batch"]] += [(st, u) for st, u in zip(row["steps"], step_usefulness(row)) if "s" in st]
         epoch = int(path.stem.split("_")[1])
         for b, steps in sorted(batches.items()):
             out.append({"epoch": epoch, "batch": b, "decomposition_mse": mse.get((epoch, b)), **auc_by_step_type(
-                [st["s"] for st in steps], [st["useful"] for st in steps],
-                [st.get("action") if st.get("valid") else None for st in steps])})
+                [st["s"] for st, _ in steps], [u for _, u in steps],
+                [st.get("action") if st.get("valid") else None for st, _ in steps])})
     return out
 
 
@@ -552,7 +531,7 @@ def fork_mu_auc(base: arco.Args, warm: Path, forks: Iterable[Path], path: Path) 
     trajs: dict = {}
     for fork in forks:
         run = fork.parent.parent
-        start = warm / warmup.mu_dir_name(json.loads((run / "args.json").read_text()))
+        start = warm / mu_dir_name(json.loads((run / "args.json").read_text()))
         label = f"{run.name}/{fork.name}"
         for mu_dir, mu_name in ((start, start.name), (fork / "mu", label)):
             for policy, player in ((None, "pi_sft"), (fork / "pi", label)):
@@ -563,8 +542,7 @@ def fork_mu_auc(base: arco.Args, warm: Path, forks: Iterable[Path], path: Path) 
                     retriever = env.shared_retriever(base.retriever or None, base.retriever_pooling)
                     trajs[player] = policy_dev_rollouts(base, warm, retriever, policy)
                 print(f"[study] μ's AUC at the fork: {key}", flush=True)
-                mu = rubric_model.RubricModel.load(mu_dir, device=base.device, dtype=base.dtype,
-                                                   autocast=base.autocast, engine=base.engine)
+                mu = rubric_model.RubricModel.load(mu_dir, **loading(base))
                 row = {"mu": mu_name, "player": player, "position": position_auc(trajs[player]),
                        **policy_dev_auc(mu, trajs[player], base.gen_batch, base.max_new_tokens_mu)}
                 del mu
@@ -613,7 +591,7 @@ def dev_curve(run_dir: Path) -> list[tuple[int, float]]:
     """(updates made before it, dev EM) of every evaluation of a run, all on the curve's slice (the first
     --curve-size dev questions): the --eval-every points, and each epoch-end evaluation's EM on those same
     questions (its traces; the evaluation's own EM covers --eval-size questions, shown in the table)."""
-    rows = env.read_jsonl(run_dir / "metrics.jsonl")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     size = run_settings(run_dir).get("curve_size")
     done = lambda e, b: sum(r["kind"] == "update" and (r["epoch"], r["batch"]) <= (e, b) for r in rows)  # noqa: E731
 
@@ -621,7 +599,7 @@ def dev_curve(run_dir: Path) -> list[tuple[int, float]]:
         traces = run_dir / "traces" / f"eval_epoch_{r['epoch']}.jsonl"
         if r["kind"] == "curve" or not size or not traces.is_file():
             return r["em"]
-        first = env.read_jsonl(traces)[:size]               # an evaluation's traces keep the dev order
+        first = read_jsonl(traces)[:size]               # an evaluation's traces keep the dev order
         return 100.0 * sum(t["reward"] for t in first) / len(first)
     return [(done(r["epoch"], r["batch"] if r["kind"] == "curve" else 10 ** 9), on_slice(r))
             for r in rows if r["kind"] in ("eval", "curve")]
@@ -630,7 +608,7 @@ def dev_curve(run_dir: Path) -> list[tuple[int, float]]:
 def train_reward(run_dir: Path, window: int = 4) -> list[tuple[int, float]]:
     """(update, mean R(τ) of the training rollouts over the last `window` updates): one update's 8 rollouts are
     too few to read (the per-update values are in metrics.jsonl)."""
-    rs = [r["mean_R"] for r in env.read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "update"]
+    rs = [r["mean_R"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "update"]
     last = [rs[max(0, i - window):i] for i in range(1, len(rs) + 1)]
     return [(i, sum(xs) / len(xs)) for i, xs in enumerate(last, 1)]
 
@@ -679,9 +657,10 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
     runs = [d for ds in dirs.values() for d in ds]
     # The comparison table (paired intervals against outcome RL of the same seed) is diagnostics.py's, run as
     # the command a reader would type; it writes comparison.md/.json into the first run's folder.
-    subprocess.run([sys.executable, str(Path(__file__).with_name("diagnostics.py")), "--run", *map(str, runs),
+    subprocess.run([sys.executable, "-m", "lab.diagnostics", "--run", *(str(r.resolve()) for r in runs),
                     "--device", base.device, "--dtype", base.dtype] + (["--data-dir", base.data_dir] if base.data_dir
-                                                                        else []), check=True)
+                                                                        else []), check=True,
+                   cwd=Path(__file__).resolve().parent.parent)
     comp = json.loads((runs[0] / "comparison.json").read_text())
     md = "# The fork study (issue 41)\n\n" + (runs[0] / "comparison.md").read_text()
     saved = {d: run_settings(d) for d in runs}                                   # each run's own settings
@@ -703,7 +682,7 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
     exact = {d.name for d in runs if saved[d]["credit"] != "mu"}
     stats = {d.name: [{k: None if k == "corr_excess_searches" and d.name in exact else r.get(k)
                        for k in ("epoch", "batch", "dense", "mean_s_by_step", "corr_excess_searches", "singleton_buckets")}
-                      for r in env.read_jsonl(d / "metrics.jsonl") if r["kind"] == "update" and "mean_s_by_step" in r]
+                      for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "update" and "mean_s_by_step" in r]
              for d in runs}
     summary = {name: credit_summary([r for r in rows if r["dense"]]) for name, rows in stats.items()
                if any(r["dense"] for r in rows)}
@@ -723,7 +702,7 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
                     "updates (thin: seeds; thick: mean)", "mean R")
     out.mkdir(parents=True, exist_ok=True)
     (out / "fork.md").write_text(md, encoding="utf-8")
-    env.write_json(out / "fork.json", {"comparison": comp, "fork_mu": fork_mu, "update_aucs": aucs,
+    write_json(out / "fork.json", {"comparison": comp, "fork_mu": fork_mu, "update_aucs": aucs,
                                        "credit_stats": stats, "credit_summary": summary, "curves": curves})
     print(md)
     return out
@@ -746,4 +725,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main_guard(main, env.DataError, rubric_model.ModelLoadError)
+    main_guard(main, DataError, ModelLoadError)
