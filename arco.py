@@ -519,6 +519,26 @@ def dev_evaluation(pi, dev, args: Args, retriever, workers: Workers = ALONE) -> 
     return env.dev_metrics(trajs), trajs
 
 
+def start_from(warm: warmup.Warmup, args: Args, with_mu: bool) -> tuple:
+    """Alg. 1, line 1: π ← π_sft and μ ← μ_sft (None without μ), each with a fresh LoRA on its merged SFT weights:
+    the frozen π_ref and μ_ref are the same modules with that adapter disabled."""
+    load = loading(args)
+    pi = fresh_adapter(load_backbone_checkpoint(warm.pi, **load)[0], args.lora_dropout)
+    mu = RubricModel.load(warm.mu, **load).fresh_adapter(args.lora_dropout) if with_mu else None
+    return pi, mu
+
+
+def sft_only_evaluation(pi, dev, args: Args, retriever, warm_folder: Path, workers: Workers = ALONE) -> tuple:
+    """Epoch 0: the SFT-only policy's dev evaluation and its trace rows — the warmup's own when it was made with
+    these settings (infra.warmups.sft_only: greedy decoding, the same numbers), else evaluated now."""
+    def now() -> tuple[dict, list]:
+        ev, trajs = dev_evaluation(pi, dev, args, retriever, workers)
+        return ev, trace_rows(trajs, 0, -1)
+    key = eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars, args.gen_batch) \
+        if args.max_searches is None else None         # --max-searches is not part of the key: evaluate then
+    return sft_only(warm_folder, key, now, workers.main)
+
+
 def make_optimizers(pi, mu: RubricModel | None, args: Args):
     """AdamW for π's LoRA and for μ (its LoRA and score head, with their own learning rates), with the
     release's weight decay; π's learning rate is set per epoch (sparse or dense)."""
@@ -557,17 +577,12 @@ def run(args: Args, credit: Credit | None = None, hooks: Sequence[Hook] = (), wo
     dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size, args.seed)
     retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)       # R
     torch.manual_seed(args.seed)                 # the fresh LoRA adapters' initialization
-    load = loading(args)
-    pi = fresh_adapter(load_backbone_checkpoint(warm.pi, **load)[0], args.lora_dropout)          # line 1: π ← π_sft
-    mu = RubricModel.load(warm.mu, **load).fresh_adapter(args.lora_dropout) if with_mu else None  # line 1: μ ← μ_sft
+    pi, mu = start_from(warm, args, with_mu)                         # line 1: π ← π_sft, μ ← μ_sft
     opt_pi, opt_mu = make_optimizers(pi, mu, args)
     last = folder.last or (folder.init_from(Path(args.init_from), with_mu, args.rubric) if args.init_from else None)
     if last is None:                             # epoch 0: the SFT-only policy's dev evaluation
         folder.start_afresh()
-        key = eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars, args.gen_batch) \
-            if args.max_searches is None else None
-        ev, rows = sft_only(warm.folder, key, lambda: (lambda ev, t: (ev, trace_rows(t, 0, -1)))(
-            *dev_evaluation(pi, dev, args, retriever, workers)), workers.main)
+        ev, rows = sft_only_evaluation(pi, dev, args, retriever, warm.folder, workers)
         history, start_epoch, start_batch = [folder.log_evaluation(0, ev, rows)], 1, 0
     else:                                        # π, μ and both optimizers as they were at that checkpoint
         pi, mu, opt_pi, opt_mu, history, start_epoch, start_batch = resume_at(last, folder, args, with_mu)
@@ -580,7 +595,8 @@ def run(args: Args, credit: Credit | None = None, hooks: Sequence[Hook] = (), wo
                     g["lr"] = phase["pi_lr"]
                 batches = epoch_batches(train, epoch, args)
                 first = start_batch if epoch == start_epoch else 0
-                for b in folder.progress(range(first, len(batches)), f"epoch {epoch} ({'dense' if phase['dense'] else 'sparse'})"):
+                desc = f"epoch {epoch} ({'dense' if phase['dense'] else 'sparse'})"
+                for b in folder.progress(range(first, len(batches)), desc):
                     u = iteration(pi, mu, opt_pi, opt_mu, batches[b], epoch, b, len(batches), phase, args, retriever,
                                   credit, workers)                                             # lines 5–38
                     for hook in hooks:                   # an analysis's own log (the lab's statistics, curves)

@@ -225,7 +225,7 @@ def auc(scores: Sequence[float], labels: Sequence[bool | int]) -> float | None:
 
 
 def report_predictions(path: str, examples: Sequence, source: str) -> int:
-    """`python env.py --predictions FILE --dataset NAME`: score a predictions file against `examples` (the
+    """`python -m lab.diagnostics --predictions FILE --dataset NAME`: score a predictions file against `examples` (the
     split env.py loaded), print the markdown table (overall, then per question type) and the JSON; returns
     the exit status (2 with the file's first error on stderr)."""
     try:

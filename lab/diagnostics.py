@@ -3,9 +3,9 @@ RQ4 §4.5, and μ's step credit against ground truth). Nothing in the project im
 
 Usage:
 
-  python diagnostics.py --run runs/synthetic/arco --run runs/synthetic/outcome [--diagnose]
+  python -m lab.diagnostics --run runs/synthetic/arco --run runs/synthetic/outcome [--diagnose]
 
-(The loop benchmark, one iteration timed by phase, is `python benchmark.py loop`.)
+(The loop benchmark, one iteration timed by phase, is `python -m lab.benchmark loop`.)
 
 compares finished runs of arco.py (one dataset) side by side, and with --diagnose also
 examines the rubric model μ of the FIRST run. One command makes every table and figure:
@@ -590,7 +590,7 @@ def _step_html(st: dict) -> str:
 
 
 def trajectories_html(rows: Sequence[dict], title: str = "ARCO sample trajectories") -> str:
-    """One HTML page of trace rows (plumbing.trace_rows): question, gold, answer and R, then each step's
+    """One HTML page of trace rows (infra.runs.trace_rows): question, gold, answer and R, then each step's
     action, observation head, criteria with d_{t,j}, and s_t, G_t, A_t (Eq. 2–4) coloured by sign.
     Every value is HTML-escaped; the page needs no server, no network and no JavaScript."""
     e = html.escape
@@ -673,7 +673,7 @@ def bucket_mean_scores(rows: Iterable[dict]) -> dict[str, list[tuple[int, float]
 
 
 # --------------------------------------------------------------------------- runs: comparison and diagnostics (issue 6)
-# `python diagnostics.py --run DIR [--run DIR ...] [--diagnose]`. Reads what arco.py leaves in a run folder
+# `python -m lab.diagnostics --run DIR [--run DIR ...] [--diagnose]`. Reads what arco.py leaves in a run folder
 # (args.json, metrics.jsonl, traces/, checkpoints/, selection.json) and its warmup folder; loads models
 # only where an evaluation or a μ diagnostic needs them.
 

@@ -1,14 +1,16 @@
 """The credit study (issues 33 and 41): does μ's step credit help π beyond outcome RL, and what limits μ? On the
 long-horizon worlds (`synthetic-long`: 3-4-hop chains, look-alike distractors, 5 searches), from one deliberately
-partial π_sft. Not part of the paper; nothing imports this file. Two programs, each resumable (what is finished
-is kept; an unfinished run resumes), each taking arco.py's flags after its own:
+partial π_sft. Not part of the paper (the lab: nothing outside it imports this file; it changes Algorithm 1 through
+arco's seam only: the "mixed" estimator registered here, the oracles' scorers in lab/truth.py, a logging hook). Two
+programs, each resumable (what is finished is kept; an unfinished run resumes), each taking arco.py's flags after
+its own:
 
-  python study.py ladder [--rows ROW ...]          the μ-quality ladder, before any RL: one μ per row (a μ SFT
+  python -m lab.study ladder [--rows ROW ...]          the μ-quality ladder, before any RL: one μ per row (a μ SFT
                                                    variant of the study's warmup), each μ's AUC by step type on
                                                    π_sft's seeded rollouts of 100 held-out dev questions, μ reading
                                                    its OWN greedy rubric, beside the position-only baseline on the
                                                    same steps. Written to <out-dir>/synthetic-long/study/ladder.md
-  python study.py fork [--seeds 0 1 2] [--arms ARM ...] [--figures figures]
+  python -m lab.study fork [--seeds 0 1 2] [--arms ARM ...] [--figures figures]
                                                    Algorithm 1 as it runs: a sparse phase once per seed (π on outcome
                                                    advantages, μ co-evolving by Eq. 5 every update; `sparse-sN`),
                                                    then the arms forked from its last checkpoint at the dense
@@ -396,7 +398,7 @@ def policy_dev_rollouts(args, out_dir: Path, retriever, policy: Path | None = No
 
 def policy_dev_auc(mu, trajs: Sequence[env.Trajectory], gen_batch: int, max_new_tokens: int = 128) -> dict:
     """μ's step credit on a policy's own rollouts (policy_dev_rollouts: π_sft's before any RL, or a saved π's):
-    the AUC of s_t for useful vs useless steps (step_usefulness) by step type (study.py shows each μ's)."""
+    the AUC of s_t for useful vs useless steps (step_usefulness) by step type (the ladder shows each μ's)."""
     contexts = [c for t in trajs for c in rubric_model.contexts_from_trajectory(t)]
     mu.eval()
     with torch.no_grad():
@@ -419,7 +421,7 @@ def keep_row(path: Path, key: str, row: dict) -> dict:
 
 def ladder_command(row: str) -> str:
     flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in LADDER[row].items())
-    return f"python warmup.py {flags} (with the study's settings; or: python study.py ladder --rows {row})"
+    return f"python warmup.py {flags} (with the study's settings; or: python -m lab.study ladder --rows {row})"
 
 
 def mu_sft_facts(folder: Path, name: str) -> dict:
@@ -475,7 +477,7 @@ def held(run_dir: Path):
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            sys.exit(f"error: {run_dir} is being run by process {f.read().strip() or '?'}: give each study.py process "
+            sys.exit(f"error: {run_dir} is being run by process {f.read().strip() or '?'}: give each lab.study process "
                      "its own --seeds or --arms (a seed's arms in parallel only once its sparse phase is done)")
         f.truncate(0)
         f.write(str(os.getpid()))
@@ -655,7 +657,7 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
     statistics and the curves, into <root>/study/fork.md, fork.json and the two images."""
     out = root / "study"
     runs = [d for ds in dirs.values() for d in ds]
-    # The comparison table (paired intervals against outcome RL of the same seed) is diagnostics.py's, run as
+    # The comparison table (paired intervals against outcome RL of the same seed) is lab.diagnostics', run as
     # the command a reader would type; it writes comparison.md/.json into the first run's folder.
     subprocess.run([sys.executable, "-m", "lab.diagnostics", "--run", *(str(r.resolve()) for r in runs),
                     "--device", base.device, "--dtype", base.dtype] + (["--data-dir", base.data_dir] if base.data_dir
@@ -709,7 +711,7 @@ def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figure
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    pre = argparse.ArgumentParser(prog="study.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    pre = argparse.ArgumentParser(prog="python -m lab.study", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = pre.add_subparsers(dest="program", required=True)
     lad = sub.add_parser("ladder", help="the μ-quality ladder (no RL)")
     lad.add_argument("--rows", nargs="+", default=list(LADDER), choices=list(LADDER))

@@ -145,17 +145,19 @@ def calls(node: ast.AST) -> set[str]:
 
 def test_arco_py_reads_algorithm_1_and_names_no_machinery():
     """No engine, process rank, world size or gather in arco.py; the algorithm's steps are read there, one line each
-    where their body lives below: π_sft and μ_sft (warmup.ensure, then the fresh adapters), the training set D
+    where their body lives: π_sft and μ_sft (warmup.ensure, then start_from's fresh adapters), the training set D
     (env.training_questions), the optimizers (make_optimizers) and μ's annotation (annotate → RubricModel.annotate);
     each update in 40 lines."""
     assert identifiers("arco") & MACHINERY == set()
     fns = defined("arco")
     assert {"is_dense", "epoch_plan", "reward_to_go", "step_buckets", "bucketed_advantages", "outcome_advantages",
             "policy_loss", "decomposition_loss", "rubric_loss", "annotate", "advantages", "policy_update",
-            "rubric_update", "make_optimizers", "iteration", "run", "select_checkpoint", "main"} <= set(fns)
+            "rubric_update", "start_from", "make_optimizers", "iteration", "run", "select_checkpoint", "main"} <= set(fns)
     run = calls(fns["run"])
-    assert {"warmup.ensure", "env.training_questions", "make_optimizers", "iteration", "fresh_adapter"} <= run
-    assert any(c.startswith("RubricModel.load(") and c.endswith(".fresh_adapter") for c in run)
+    assert {"warmup.ensure", "env.training_questions", "start_from", "make_optimizers", "iteration"} <= run
+    start = calls(fns["start_from"])
+    assert "fresh_adapter" in start and any(c.startswith("RubricModel.load(") and c.endswith(".fresh_adapter")
+                                            for c in start)
     assert "annotate" in calls(fns["iteration"]) and "mu.annotate" in calls(fns["annotate"])
     for name in ("policy_update", "rubric_update"):
         assert fns[name].end_lineno - fns[name].lineno + 1 <= 40, name

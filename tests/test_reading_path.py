@@ -38,7 +38,7 @@ READING_EXCLUDES = {
     "rubric_model": {"RubricModel.load", "RubricModel.save", "RubricModel.config", "RubricModel.__init__",
                      "ScoreHead.__init__", "RubricModel.fresh_adapter", "mu_at_work"},
     "warmup": {"ensure", "dev_rank"},
-    "arco": {"main", "resolve_args", "make_optimizers", "Credit.check"},
+    "arco": {"main", "resolve_args", "make_optimizers", "Credit.check", "start_from", "sft_only_evaluation"},
 }
 
 
