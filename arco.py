@@ -61,7 +61,7 @@ from rubric_model import RubricModel, contexts_from_trajectory, mu_at_work
 
 @dataclass
 class Args(Settings):
-    """arco.py's knobs: those it shares with warmup.py (config.Settings), then its own."""
+    """arco.py's knobs: those it shares with warmup.py (infra.settings.Settings), then its own."""
     name: str = field(default="", metadata={"help": "run name under runs/<dataset>/ (default: from --reward/--rubric/--k)"})
     resume: bool = field(default=False, metadata={"help": "continue a killed run from its last finished epoch"})
     dry_run: bool = field(default=False, metadata={"help": "print the training schedule and the loss scales, then exit "

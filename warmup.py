@@ -48,7 +48,7 @@ from rubric_model import RubricModel, StepContext
 
 @dataclass
 class Args(Settings, Split):
-    """warmup.py's knobs: the shared ones (config.Settings), then its own."""
+    """warmup.py's knobs: the shared ones (infra.settings.Settings), then its own."""
     teacher: str = field(default="oracle", metadata={
         "help": "oracle (offline, from the gold evidence) or openai (any OpenAI-compatible endpoint)",
         "choices": ["oracle", "openai"]})

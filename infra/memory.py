@@ -109,7 +109,7 @@ def peak_rss_gib() -> float:
 
 @contextlib.contextmanager
 def timed(row: dict, key: str):
-    """row["seconds_<key>"], and the phase's resident memory in the run's memory profile (config.MEMORY)."""
+    """row["seconds_<key>"], and the phase's resident memory in the run's memory profile (MEMORY)."""
     t0 = time.time()
     with MEMORY.phase(key):
         yield
