@@ -465,9 +465,9 @@ def test_embedded_model_loads_with_its_chat_template(smol):
 
 
 def test_untrained_mu_writes_criteria_json_on_scripted_steps(smol):
-    """Acceptance 3 on a few steps (the full measurement: `python benchmark.py parse-rate --examples 20`)."""
+    """Acceptance 3 on a few steps (the full measurement: `python -m lab.benchmark parse-rate --examples 20`)."""
     env = pytest.importorskip("env")
-    benchmark = pytest.importorskip("benchmark")
+    benchmark = pytest.importorskip("lab.benchmark")
     trajs = benchmark.scripted_trajectories(2, seed=0)
     contexts = [c for t in trajs for c in rm.contexts_from_trajectory(t)]
     assert len(contexts) == sum(len(t.steps) for t in trajs) and all(t.reward == 1.0 for t in trajs)
