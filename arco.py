@@ -4,7 +4,7 @@ Paper: §3.2 (Eq. 3–5) and Appendix A (Algorithm 1).
 
     python arco.py --dataset hotpotqa                  # CPU preset: warmup (if needed), RL, evaluation, report
     python arco.py --dataset hotpotqa --preset paper   # Qwen3-4B-Instruct-2507 and the authors' release recipe
-    python arco.py --dataset hotpotqa --preset paper --dry-run   # its schedule and loss scales, no model
+    python arco.py --dataset hotpotqa --preset paper --dry-run   # its schedule, loss scales and memory estimate, no model
     python arco.py --dataset synthetic --reward outcome        # the binary-EM REINFORCE baseline (no μ)
     python arco.py --dataset hotpotqa --rubric none            # Table 2's "w/o Rubric" (also: static, prefix-free)
 
@@ -64,8 +64,8 @@ class Args(Settings):
     """arco.py's knobs: those it shares with warmup.py (infra.settings.Settings), then its own."""
     name: str = field(default="", metadata={"help": "run name under runs/<dataset>/ (default: from --reward/--rubric/--k)"})
     resume: bool = field(default=False, metadata={"help": "continue a killed run from its last finished epoch"})
-    dry_run: bool = field(default=False, metadata={"help": "print the training schedule and the loss scales, then exit "
-                                                            "(no data, no model)"})
+    dry_run: bool = field(default=False, metadata={"help": "print the training schedule, the loss scales and the memory estimate, "
+                                                            "then exit (no data, no model)"})
     reward: str = field(default="arco", metadata={"help": "arco (μ's dense rewards after the sparse epochs) or "
                                                            "outcome (binary-EM REINFORCE throughout, no μ: Search-R1-style)",
                                                   "choices": ["arco", "outcome"]})
@@ -78,7 +78,7 @@ class Args(Settings):
         "help": "π's random stream when sampling rollouts: batch (one draw over the generation batch, as "
                 "transformers' generate) or trajectory (one seeded stream per trajectory: the same rollouts "
                 "whatever the rank layout; a torchrun run needs it)", "choices": ["batch", "trajectory"]})
-    # from_preset(paper=..., cpu=...): the --preset's value unless given (why each value: README's flag table)
+    # from_preset(paper=..., cpu=...): the --preset's value unless given (why each value: CHOICES.md's flag table)
     train_size: int | None = from_preset(paper=2000, cpu=8, min=1, help="training questions (paper 2,000)")
     epochs: int | None = from_preset(paper=8, cpu=2, min=1, help="RL epochs E (release 8)")
     sparse_epochs: int | None = from_preset(paper=3, cpu=1, help="epochs trained on R(τ) alone before the dense ones "
@@ -409,6 +409,24 @@ def advantages(trajs, s: torch.Tensor | None, dense: bool, args: Args) -> tuple[
     return A, info
 
 
+def gradient_step(optimizer, what: str, workers: Workers, *totals: float, step: bool = True) -> list[float]:
+    """After an update's passes: its logged totals summed over the workers, a NaN or inf loss (the first
+    total) stopped before the weights, then one optimizer step on the workers' summed gradients, clipped
+    to norm 1 (the release). A parameter no pass reached gets a zero gradient, as if the skipped steps
+    had been computed: AdamW's moments and weight decay then move exactly as they would have."""
+    totals = workers.total(*totals)
+    if step:
+        check_finite(what, totals[0])
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        workers.total_gradients(params)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+    return totals
+
+
 def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_pi: float, workers: Workers = ALONE) -> dict:
     """Alg. 1, lines 33–35: one gradient step on Eq. 3 over the batch's valid steps, λ_π = `kl_pi`."""
     steps = [(st, a) for t, a_t in zip(trajs, A) for st, a in zip(t.steps, a_t) if st.valid]          # V_τ
@@ -462,24 +480,6 @@ def rubric_update(mu: RubricModel, optimizer, trajs, contexts, rubrics, args: Ar
             "kl_mu": kl_sum / max(sum(lens), 1)}
 
 
-def gradient_step(optimizer, what: str, workers: Workers, *totals: float, step: bool = True) -> list[float]:
-    """After an update's passes: its logged totals summed over the workers, a NaN or inf loss (the first
-    total) stopped before the weights, then one optimizer step on the workers' summed gradients, clipped
-    to norm 1 (the release). A parameter no pass reached gets a zero gradient, as if the skipped steps
-    had been computed: AdamW's moments and weight decay then move exactly as they would have."""
-    totals = workers.total(*totals)
-    if step:
-        check_finite(what, totals[0])
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        workers.total_gradients(params)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-    return totals
-
-
 def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, batches: int, phase: dict, args: Args, retriever,
               credit: Credit, workers: Workers = ALONE) -> Update:
     """One iteration of Algorithm 1 (lines 5–38) on batch b of an epoch's `batches`, in the epoch's `phase` (an
@@ -507,6 +507,9 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, batches: int, p
                mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gib=peak_rss_gib(),
                **mu_at_work(mu, trajs, contexts, rubrics, s))
     return Update(row, epoch, b, batches, trajs, rubrics, d, s, A, info, pi)
+
+
+# --- The run: Algorithm 1 from the warmup to the selected checkpoint (line 1, the evaluations, the outer loop) ----
 
 
 def dev_evaluation(pi, dev, args: Args, retriever, workers: Workers = ALONE) -> tuple[dict, list]:
@@ -556,9 +559,6 @@ def resume_at(checkpoint: Path, folder: RunFolder, args: Args, with_mu: bool) ->
     mu = RubricModel.load(checkpoint / "mu", **load) if with_mu and (checkpoint / "mu").is_dir() else None
     opt_pi, opt_mu = make_optimizers(pi, mu, args)
     return (pi, mu, opt_pi, opt_mu, *folder.resume(checkpoint, opt_pi, opt_mu))
-
-
-# --- The run: Algorithm 1 from the warmup to the selected checkpoint --------------------
 
 
 def run(args: Args, credit: Credit | None = None, hooks: Sequence[Hook] = (), workers: Workers | None = None) -> Path:
@@ -695,8 +695,9 @@ def describe_plan(args: Args, n_train: int) -> str:
         f"  Eq. 5: (1/|B|) Σ_τ w_τ (Σ_t s_t − R)²  [w: {'class-balanced' if args.class_balance else '1'}]"
         f" + β {args.kl_mu:g} · " + ("(1/|B|) Σ_τ Σ_t mean_i KL(μ‖μ_ref)_i" if args.token_reduction == "mean"
                                    else "mean_t Σ_i KL(μ‖μ_ref)_i"),
-        "  Eq. 7: " + ("mean over tokens of −log p(r̃) + 10 · mean over steps × K of (d − ŝ)²"
-                       if args.token_reduction == "mean" else "mean over steps of [Σ_i −log p(r̃_i) + 10 ‖d − ŝ‖²]"),
+        "  Eq. 7: " + ("mean over tokens of −log p(r̃) + λ · mean over steps × K of (d − ŝ)²"
+                       if args.token_reduction == "mean" else "mean over steps of [Σ_i −log p(r̃_i) + λ ‖d − ŝ‖²]")
+        + " (λ: warmup.py's --score-weight, release 10)",
         f"  optimizer: AdamW, weight decay {args.weight_decay:g}; μ lr {args.mu_lr:g}, score head {args.head_lr:g}; "
         f"rubrics {'greedy' if not args.rubric_temperature else f'sampled at T {args.rubric_temperature:g}'}",
         f"warmup: {args.warmup_size} questions ({'among' if args.warmup_questions == 'within' else 'apart from'} "

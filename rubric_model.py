@@ -48,7 +48,7 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
 class ScoreHead(nn.Module):
     """g_φ of Eq. 2: h̄ → LayerNorm → Linear → GELU → Linear → tanh → d ∈ [−1, 1]^K. Always fp32.
 
-    The paper says only "a small MLP"; our choices: a LayerNorm first (hidden-state scales
+    The paper says only "two lightweight heads"; our choices: a LayerNorm first (hidden-state scales
     differ a lot across backbones), one hidden layer of `hidden` units, and a near-zero
     initial output layer so an untrained head gives d ≈ 0 (Σ_t s_t starts near 0, not at a
     random offset, in the decomposition loss of Eq. 5).
@@ -392,7 +392,7 @@ class RubricModel:
 
     # -- prompts ------------------------------------------------------------------------
     def prompt_ids(self, ctx: StepContext) -> list[int]:
-        """The rubric prompt: chat template, assistant turn opened and started with `["`;
+        """The rubric prompt: chat template, assistant turn opened (and started with `["` in the json format);
         for 'none' the score-only prompt."""
         tok = self.backbone.tokenizer
         if self.rubric_mode == "none":

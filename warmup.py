@@ -53,7 +53,7 @@ class Args(Settings, Split):
         "help": "oracle (offline, from the gold evidence) or openai (any OpenAI-compatible endpoint)",
         "choices": ["oracle", "openai"]})
     teacher_policy_model: str = field(default="gpt-4o-mini", metadata={
-        "help": "API model that acts as the policy (paper: gpt-4o-mini)"})
+        "help": "API model that acts as the policy (the paper names only 'a closed-source LLM teacher')"})
     teacher_rubric_model: str = field(default="gpt-4o-mini", metadata={
         "help": "API model that annotates whole trajectories with criteria and scores"})
     teacher_temperature: float = field(default=1.0, metadata={
@@ -101,7 +101,7 @@ def _shifted(scores: Sequence[Sequence[float]], c: float) -> list[list[float]]:
 def project_scores(scores: Sequence[Sequence[float]], reward: float, tol: float = 1e-6) -> list[list[float]] | None:
     """Eq. 6: scores ŝ in [-1, 1] with Σ_t mean_j ŝ_{t,j} = R(τ) (within `tol`), keeping the teacher's order.
 
-    `scores` is T rows of K teacher scores already in [-1, 1] (see `clip_and_fit`). The map is
+    `scores` is T rows of K teacher scores already in [-1, 1] (see `infra.teachers.clip_and_fit`). The map is
     ŝ = clip(s + c, -1, 1) with one shift c shared by every score of the trajectory, found by
     bisection on c ∈ [-2, 2]: the left side of Eq. 6 is continuous and non-decreasing in c, -T at
     c = -2 and T at c = 2. Being one monotone map, it never reverses two scores anywhere in the
@@ -476,8 +476,8 @@ def rubric_sft_loss(d: torch.Tensor, targets: torch.Tensor, logprobs: torch.Tens
 
     `d` [n, K] is the score head's d_t on the full scoring sequence (q, h_t, a_t, r̃_t), `targets` [n, K]
     the projected teacher scores ŝ_t, `logprobs` [n, R] (with `mask`) the teacher rubric's token log-probs:
-    the text term, None for the variants with no generated rubric (App. B: 'static' and 'none' "remove the
-    rubric text target"). `token_reduction` "sum" is Eq. 7's form (the NLL summed over a rubric's tokens and
+    the text term, None for the variants with no generated rubric (App. B's ablations "either remove the
+    rubric text target or replace it with a fixed rubric": 'none' and 'static', neither with a text term here). `token_reduction` "sum" is Eq. 7's form (the NLL summed over a rubric's tokens and
     the error over the K scores, both averaged over steps); "mean" is the release's (the NLL averaged over
     rubric tokens, the error over steps × K). `n_steps`, `n_tokens`: the whole batch's, when the pass is a
     part of it (the parts' losses then add up to the batch's). Returns (loss, text, score)."""

@@ -150,7 +150,7 @@ class Settings(ModelSettings):
                                            help="μ SFT items on which the warmup shows Eq. 7's terms before/after")
     mu_data: str = field(default="teacher", metadata={
         "help": "μ SFT data: teacher (the teacher's own trajectories, App. B) or policy (π_sft plays the μ SFT "
-                "questions, the teacher annotates every step: the release's local-policy mode) or both",
+                "questions, the oracle annotates every step: the release's local-policy mode) or both",
         "choices": ["teacher", "policy", "both"]})
     sft_epochs_pi: int | None = from_preset(paper=6, cpu=2, min=1,
                                             help="warmup π SFT epochs (release 6; the best dev-EM epoch is kept)")
