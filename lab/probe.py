@@ -335,6 +335,8 @@ def branch_values(trajs: Sequence, done: dict, n_questions: int, samples: int) -
     out: dict[str, list] = {h: [None] * len(trajs) for h in ("full", "a", "b")}
     for i in range(n_questions * samples):
         rewards = [done[(i // samples * samples, 0)]] + [done[(i, t)] for t in range(1, len(trajs[i].steps))]
+        if any(len(r) % 2 for r in rewards):            # the halves' noise formula (probe_stats) needs equal halves
+            raise ValueError(f"trajectory {i}: an odd number of continuations cannot be split into equal halves")
         for h in out:
             parts = [r if h == "full" else (r[:len(r) // 2] if h == "a" else r[len(r) // 2:]) for r in rewards]
             V = [sum(p) / len(p) for p in parts]
@@ -441,22 +443,26 @@ def gram_stats(K: torch.Tensor, p: torch.Tensor, noise: torch.Tensor, W: torch.T
     """A row's statistics from its batch gradients' Gram matrix K = [⟨g_a, g_b⟩], their projections p = [⟨g_b, û*⟩]
     and a per-batch noise energy to remove (`noise`: the part of ‖g_b − E g_b‖² that V̂'s own sampling adds, or 0),
     for each row of weights W [R, B] (1 everywhere: the estimate; a bootstrap's resampled counts: its draws):
-    ḡ = Σ w_b g_b / B, along = ⟨ḡ, û*⟩, msq = ‖ḡ‖², the spread tr Cov = Σ w_b ‖g_b‖² / B − ‖ḡ‖²,
-    noise_to_signal = spread / along², the same with `noise` removed (noise_to_signal_clean), cos(ḡ, g*), and the
-    de-noised ‖E g_B‖²: ‖ḡ‖² minus the spread of the block means over (blocks − 1) — the blocks (per_block
-    consecutive batches, disjoint questions) are independent where an 8 × 1 block's batches are not — and with it
-    cos(E g_B, g*) = along / ‖E g_B‖ (‖E g_B‖ floored at |along|, which it cannot be below: a cosine in [−1, 1])."""
+    ḡ = Σ w_b g_b / B, along = ⟨ḡ, û*⟩, msq = ‖ḡ‖², the de-noised ‖E g_B‖² (expected_sq): ‖ḡ‖² minus the spread of
+    the block means over (blocks − 1) — the blocks (per_block consecutive batches, disjoint questions) are
+    independent where an 8 × 1 block's batches are not — and with it the spread tr Cov = Σ w_b ‖g_b‖² / B − ‖E g_B‖²
+    (unbiased whether or not a block's batches share questions; Σ w_b ‖g_b‖² / B − ‖ḡ‖² would fall short by
+    tr Cov / B and, at 8 × 1, by the shared part's covariances too), noise_to_signal = spread / along², the same with
+    `noise` removed (noise_to_signal_clean), cos(ḡ, g*), and cos(E g_B, g*) = along / ‖E g_B‖ (‖E g_B‖ floored at
+    |along|, which it cannot be below: a cosine in [−1, 1]). With a single block, nothing to de-noise with: the
+    spread is the batches' own, × B / (B − 1), and ‖E g_B‖² NaN."""
     B = K.shape[0]
     blocks = B // per_block
     along = W @ p / B
     msq = ((W @ K) * W).sum(1) / B ** 2
-    spread = W @ torch.diagonal(K) / B - msq
-    clean = spread - W @ noise / B
+    mean_sq = W @ torch.diagonal(K) / B                                            # mean ‖g_b‖² = tr Cov + ‖E g_B‖²
     M = torch.zeros(B, blocks, dtype=K.dtype)
     M[torch.arange(blocks * per_block), torch.arange(blocks * per_block) // per_block] = 1.0 / per_block
     counts = W[:, ::per_block][:, :blocks]
     block_spread = counts @ torch.diagonal(M.T @ K @ M) / blocks - msq
     expected = msq - block_spread / (blocks - 1) if blocks > 1 else torch.full_like(msq, float("nan"))
+    spread = mean_sq - expected if blocks > 1 else (mean_sq - msq) * B / (B - 1)
+    clean = spread - W @ noise / B
     return {"along": along, "msq": msq, "spread": spread, "noise_to_signal": spread / along ** 2,
             "noise_to_signal_clean": clean / along ** 2, "mean_cos": along / msq.clamp_min(1e-300).sqrt(),
             "expected_sq": expected,

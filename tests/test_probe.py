@@ -9,7 +9,6 @@ import torch
 
 import arco
 import env
-import rubric_model as rm
 from lab import probe
 from infra import models
 from infra import files
@@ -128,23 +127,26 @@ def test_per_step_gradients_add_up_to_the_packed_true_gradient(tiny_dir, tmp_pat
 
 def test_block_bootstrap_by_hand():
     """Four batch gradients in two blocks of two, û* = e₁. The three possible resamples, by hand:
-    blocks (1, 1): ḡ = (1, ½), spread = (1 + 1 + 1 + 5)/4 − 5/4 = ¾, along 1 → noise-to-signal ¾, cos(ḡ, g*) 2/√5;
-    block 1 twice: ḡ = (1, 0), spread 0, cos 1; block 2 twice: ḡ = (1, 1), spread 3 − 2 = 1, cos 1/√2.
+    blocks (1, 1): ḡ = (1, ½), block means (1, 0) and (1, 1), whose spread (1 + 2)/2 − 5/4 = ¼ over (2 − 1) blocks
+    leaves ‖E g‖² = 5/4 − ¼ = 1; spread = mean ‖g_b‖² − ‖E g‖² = (1 + 1 + 1 + 5)/4 − 1 = 1, along 1 → noise-to-signal
+    1, cos(ḡ, g*) 2/√5; block 1 twice: ḡ = (1, 0), spread 0, cos 1; block 2 twice: ḡ = (1, 1), ‖E g‖² = 2, spread
+    3 − 2 = 1, cos 1/√2.
     A second row (2× the gradients) has the same statistics on every draw: the draw is shared (paired)."""
     G = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [2.0, 1.0]], dtype=torch.float64)
     u = torch.tensor([1.0, 0.0], dtype=torch.float64)
     rows = [(G @ G.T, G @ u), ((2 * G) @ (2 * G).T, (2 * G) @ u)]
     boot = probe.block_bootstrap(rows, batches_per_block=2, resamples=400)
-    hand = {(0.75, round(2 / 5 ** 0.5, 6)), (0.0, 1.0), (1.0, round(1 / 2 ** 0.5, 6))}
+    hand = {(1.0, round(2 / 5 ** 0.5, 6)), (0.0, 1.0), (1.0, round(1 / 2 ** 0.5, 6))}
     seen = {(round(float(a), 6), round(float(c), 6)) for a, c in zip(boot[0]["noise_to_signal"], boot[0]["mean_cos"])}
     assert seen == hand
     torch.testing.assert_close(boot[1]["noise_to_signal"], boot[0]["noise_to_signal"])
     torch.testing.assert_close(boot[1]["mean_cos"], boot[0]["mean_cos"])
-    # At unit weights, de-noised: block means (1, 0), (1, 1); their spread (1 + 2)/2 − ‖ḡ‖² = ¼ over (2 − 1) blocks
-    # leaves ‖E g‖² = 5/4 − ¼ = 1, and cos(E g, û*) = ⟨ḡ, û*⟩ / 1 = 1; a noise of ½ per batch removed: spread ¾ − ½.
+    # At unit weights (the first resample's numbers): ‖E g‖² = 1, cos(E g, û*) = ⟨ḡ, û*⟩ / 1 = 1; a noise of ½ per
+    # batch removed: spread 1 − ½.
     one = probe.gram_stats(*rows[0], torch.full((4,), 0.5, dtype=torch.float64), torch.ones(1, 4, dtype=torch.float64), 2)
     assert float(one["expected_sq"][0]) == pytest.approx(1.0) and float(one["mean_cos_denoised"][0]) == pytest.approx(1.0)
-    assert float(one["noise_to_signal_clean"][0]) == pytest.approx(0.25)
+    assert float(one["spread"][0]) == pytest.approx(1.0)
+    assert float(one["noise_to_signal_clean"][0]) == pytest.approx(0.5)
 
 
 def test_favoured_by_hand():
@@ -165,7 +167,7 @@ def test_probe_stats_and_its_table_on_a_synthetic_pool():
     """16 questions × 4 scripted samples, random per-step gradients and a g* built as the outcome gradient of the
     pool plus noise: every scheme × composition gets a row; outcome at 2 × 4 is the reference (ratio 1, paired
     interval [1, 1], cosine difference [0, 0]); every interval is ordered and inside [−1, 1]; gram_stats' Gram form
-    gives the noise-to-signal and cos(ḡ, g*) computed directly from the batch gradients; the pairs' de-noised
+    gives the noise-to-signal (tr Cov from the block means) and cos(ḡ, g*) computed directly from the batch gradients; the pairs' de-noised
     cosines are cosines (or NaN: with 2 blocks here there may be no signal left); the table prints one line per row and the favoured list."""
     g = torch.Generator().manual_seed(1)
     qs = env.synthetic_examples(16)
@@ -196,7 +198,9 @@ def test_probe_stats_and_its_table_on_a_synthetic_pool():
         common = (batches, grads, offsets, r["composition"], trajs, scores, values, 0.5, True)
         gb = probe.batch_gradients(r["scheme"], *common, branch=branch["full"])
         mean, u = gb.mean(0), gstar["g"].double() / gstar["g"].double().norm()
-        spread = float(((gb - mean) ** 2).sum(1).mean())
+        bm = gb.view(-1, 4, gb.shape[1]).mean(1)                          # the block means (4 batches a block)
+        expected = float(mean @ mean) - float(((bm - mean) ** 2).sum(1).mean()) / (len(bm) - 1)    # ‖E g_B‖²
+        spread = float((gb * gb).sum(1).mean()) - expected                  # tr Cov
         assert r["noise_to_signal"] == pytest.approx(spread / float(mean @ u) ** 2, rel=1e-9)
         assert r["mean_cos"] == pytest.approx(float(probe.F_cos(mean, gstar["g"])), rel=1e-9)
         if r["scheme"].startswith("branch"):       # V̂'s noise: ‖g^a − g^b‖²/4 a batch, its mean off the spread
@@ -348,6 +352,34 @@ def test_the_de_noised_cosine_recovers_a_known_mean_from_noisy_draws():
     assert clean == pytest.approx(spread["without"], rel=0.1)
 
 
+def test_the_spread_is_tr_cov_when_a_blocks_batches_share_questions():
+    """32 batch gradients in 8 blocks of 4 (the ceiling's sizes at 8 × 1), 40% of their noise shared by a block:
+    tr Cov = d (0.6 + 0.4) σ² is known. Over 400 draws the spread's mean is within 1% of it, where the batches' own
+    spread Σ‖g_b‖²/B − ‖ḡ‖² falls short by tr Cov / B and the shared part's 3 × 0.4 / B (≈ 7%); with V̂'s noise in
+    two halves, the clean spread is the spread without it, on average within 1.5%."""
+    d, B, per = 50, 32, 4
+    u = torch.zeros(d, dtype=torch.float64)
+    u[0] = 1.0
+    m = torch.zeros(d, dtype=torch.float64)
+    m[0] = 1.0
+    one = torch.ones(1, B, dtype=torch.float64)
+    true = d * 1.0                                               # σ² = 1 per coordinate: 0.6 own + 0.4 shared
+    got, naive, clean, core_spread = [], [], [], []
+    for seed in range(400):
+        g, ga, gb, core = noisy_batches(m, B, per, batch_sd=0.6 ** 0.5, block_sd=0.4 ** 0.5, seed=seed, V_noise=0.5)
+        st = probe.gram_stats(core @ core.T, core @ u, torch.zeros(B, dtype=torch.float64), one, per)
+        got.append(float(st["spread"][0]))
+        naive.append(float((core * core).sum(1).mean() - (core.mean(0) ** 2).sum()))
+        noise = ((ga - gb) ** 2).sum(1) / 4
+        with_v = probe.gram_stats(g @ g.T, g @ u, noise, one, per)
+        clean.append(float(with_v["noise_to_signal_clean"][0] * with_v["along"][0] ** 2))
+        core_spread.append(got[-1])
+    mean = lambda x: sum(x) / len(x)                              # noqa: E731
+    assert mean(got) == pytest.approx(true, rel=0.01)
+    assert mean(naive) < 0.95 * true                              # the old estimate: ≈ 7% short
+    assert mean(clean) == pytest.approx(mean(core_spread), rel=0.015)
+
+
 def test_expected_cos_of_two_schemes_with_the_same_mean_is_1_and_differs_otherwise():
     """Two noisy schemes around the same mean (independent noise): de-noised cos(E g^X, E g^Y) ≈ 1 while cos(ḡ^X, ḡ^Y)
     is well below; around orthogonal means ≈ 0."""
@@ -399,3 +431,13 @@ def test_a_stage_of_another_pool_is_refused(tmp_path):
         probe.probe_mu_scores(tmp_path / "mu", trajs, None, tmp_path / "mu.pt", "aaaa")
     rows = [probe.traj_row(t, "pi-1") for t in trajs]
     assert probe.pool_id(rows) != probe.pool_id([{**rows[0], "pi": "pi-2"}])
+
+
+def test_an_odd_number_of_continuations_is_refused():
+    """V̂'s noise is measured from two equal halves of the continuations: an odd count cannot be split."""
+    q, = env.synthetic_examples(1)
+    trajs = [Script.make(q, ["Search[a]", "Finish[x]"], 1.0)]
+    with pytest.raises(ValueError, match="odd number of continuations"):
+        probe.branch_values(trajs, {(0, 0): [1.0, 0.0, 1.0], (0, 1): [1.0, 0.0]}, 1, 1)
+    halves = probe.branch_values(trajs, {(0, 0): [1.0, 0.0, 1.0, 1.0], (0, 1): [1.0, 0.0]}, 1, 1)
+    assert halves["a"][0] == {"V": [0.5, 1.0], "Q": [1.0, 1.0]} and halves["b"][0] == {"V": [1.0, 0.0], "Q": [0.0, 1.0]}
