@@ -354,7 +354,8 @@ def test_the_de_noised_cosine_recovers_a_known_mean_from_noisy_draws():
 
 def test_the_spread_is_tr_cov_when_a_blocks_batches_share_questions():
     """32 batch gradients in 8 blocks of 4 (the ceiling's sizes at 8 × 1), 40% of their noise shared by a block:
-    tr Cov = d (0.6 + 0.4) σ² is known. Over 400 draws the spread's mean is within 1% of it, where the batches' own
+    tr Cov = d (0.6 + 0.4) σ² is known. Over 400 draws the de-noised ‖E g_B‖² averages ‖m‖² = 1 and the spread
+    within 1% of tr Cov, where the batches' own
     spread Σ‖g_b‖²/B − ‖ḡ‖² falls short by tr Cov / B and the shared part's 3 × 0.4 / B (≈ 7%); with V̂'s noise in
     two halves, the clean spread is the spread without it, on average within 1.5%."""
     d, B, per = 50, 32, 4
@@ -364,11 +365,12 @@ def test_the_spread_is_tr_cov_when_a_blocks_batches_share_questions():
     m[0] = 1.0
     one = torch.ones(1, B, dtype=torch.float64)
     true = d * 1.0                                               # σ² = 1 per coordinate: 0.6 own + 0.4 shared
-    got, naive, clean, core_spread = [], [], [], []
+    got, naive, clean, core_spread, sq = [], [], [], [], []
     for seed in range(400):
         g, ga, gb, core = noisy_batches(m, B, per, batch_sd=0.6 ** 0.5, block_sd=0.4 ** 0.5, seed=seed, V_noise=0.5)
         st = probe.gram_stats(core @ core.T, core @ u, torch.zeros(B, dtype=torch.float64), one, per)
         got.append(float(st["spread"][0]))
+        sq.append(float(st["expected_sq"][0]))
         naive.append(float((core * core).sum(1).mean() - (core.mean(0) ** 2).sum()))
         noise = ((ga - gb) ** 2).sum(1) / 4
         with_v = probe.gram_stats(g @ g.T, g @ u, noise, one, per)
@@ -376,6 +378,7 @@ def test_the_spread_is_tr_cov_when_a_blocks_batches_share_questions():
         core_spread.append(got[-1])
     mean = lambda x: sum(x) / len(x)                              # noqa: E731
     assert mean(got) == pytest.approx(true, rel=0.01)
+    assert mean(sq) == pytest.approx(1.0, abs=0.1)              # ‖E g_B‖² = ‖m‖² (÷ blocks, not blocks − 1: ≈ 1.5)
     assert mean(naive) < 0.95 * true                              # the old estimate: ≈ 7% short
     assert mean(clean) == pytest.approx(mean(core_spread), rel=0.015)
 
