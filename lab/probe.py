@@ -439,7 +439,8 @@ def batch_gradients(name: str, batches: Sequence[Sequence[int]], grads: torch.Te
 
 # --- the statistics ----------------------------------------------------------------------------------------------------
 
-def gram_stats(K: torch.Tensor, p: torch.Tensor, noise: torch.Tensor, W: torch.Tensor, per_block: int) -> dict:
+def gram_stats(K: torch.Tensor, p: torch.Tensor, noise: torch.Tensor, W: torch.Tensor, per_block: int,
+               center: float = 0.0) -> dict:
     """A row's statistics from its batch gradients' Gram matrix K = [⟨g_a, g_b⟩], their projections p = [⟨g_b, û*⟩]
     and a per-batch noise energy to remove (`noise`: the part of ‖g_b − E g_b‖² that V̂'s own sampling adds, or 0),
     for each row of weights W [R, B] (1 everywhere: the estimate; a bootstrap's resampled counts: its draws):
@@ -450,7 +451,11 @@ def gram_stats(K: torch.Tensor, p: torch.Tensor, noise: torch.Tensor, W: torch.T
     tr Cov / B and, at 8 × 1, by the shared part's covariances too), noise_to_signal = spread / along², the same with
     `noise` removed (noise_to_signal_clean), cos(ḡ, g*), and cos(E g_B, g*) = along / ‖E g_B‖ (‖E g_B‖ floored at
     |along|, which it cannot be below: a cosine in [−1, 1]). With a single block, nothing to de-noise with: the
-    spread is the batches' own, × B / (B − 1), and ‖E g_B‖² NaN."""
+    spread is the batches' own, × B / (B − 1), and ‖E g_B‖² NaN.
+    `center`, for a bootstrap's draws (block_bootstrap): the estimate's de-noising, ‖E g_B‖² − ‖ḡ‖² at unit weights,
+    added to each draw's ‖E g_B‖². A draw's truth is the data's own ḡ, so its de-noised square scatters around
+    ‖ḡ‖², not around the estimate; shifted, the draws scatter around the estimate with the estimate's spread (the
+    percentile interval of an uncentered draw sat a whole de-noising below the estimate, which it could exclude)."""
     B = K.shape[0]
     blocks = B // per_block
     along = W @ p / B
@@ -460,7 +465,7 @@ def gram_stats(K: torch.Tensor, p: torch.Tensor, noise: torch.Tensor, W: torch.T
     M[torch.arange(blocks * per_block), torch.arange(blocks * per_block) // per_block] = 1.0 / per_block
     counts = W[:, ::per_block][:, :blocks]
     block_spread = counts @ torch.diagonal(M.T @ K @ M) / blocks - msq
-    expected = msq - block_spread / (blocks - 1) if blocks > 1 else torch.full_like(msq, float("nan"))
+    expected = msq - block_spread / (blocks - 1) + center if blocks > 1 else torch.full_like(msq, float("nan"))
     spread = mean_sq - expected if blocks > 1 else (mean_sq - msq) * B / (B - 1)
     clean = spread - W @ noise / B
     return {"along": along, "msq": msq, "spread": spread, "noise_to_signal": spread / along ** 2,
@@ -469,20 +474,26 @@ def gram_stats(K: torch.Tensor, p: torch.Tensor, noise: torch.Tensor, W: torch.T
             "mean_cos_denoised": along / torch.maximum(expected, along ** 2).clamp_min(1e-300).sqrt()}
 
 
-def expected_cos(gx: torch.Tensor, gy: torch.Tensor, W: torch.Tensor, per_block: int) -> torch.Tensor:
+def expected_cos(gx: torch.Tensor, gy: torch.Tensor, W: torch.Tensor, per_block: int,
+                 draws: bool = False) -> torch.Tensor:
     """cos(E g^X, E g^Y) of two schemes on the same batches, each expectation's square and their inner product
     de-noised with the block means (as gram_stats), per row of weights; clipped to [−1, 1], NaN where either
     de-noised square is not positive (no signal to compare). 1: the two credit schemes step π the same way on
-    average (a baseline's difference changes only the noise)."""
+    average (a baseline's difference changes only the noise). `draws`: W are a bootstrap's resamples, each inner
+    product centered on the estimate's (gram_stats' `center`)."""
     B = gx.shape[0]
     blocks = B // per_block
-    counts = W[:, ::per_block][:, :blocks]
 
-    def inner(a, b):
+    def denoise(a, b, W):
+        counts = W[:, ::per_block][:, :blocks]
         mean = ((W @ (a @ b.T)) * W).sum(1) / B ** 2
         am, bm = (x[:blocks * per_block].view(blocks, per_block, -1).mean(1) for x in (a, b))
         spread = counts @ (am * bm).sum(1) / blocks - mean
-        return mean - spread / (blocks - 1)
+        return -spread / (blocks - 1) + mean
+
+    def inner(a, b):
+        center = float(denoise(a, b, torch.ones(1, B, dtype=W.dtype))[0] - (a.mean(0) @ b.mean(0))) if draws else 0.0
+        return denoise(a, b, W) + center
     xy, xx, yy = inner(gx, gy), inner(gx, gx), inner(gy, gy)
     cos = (xy / (xx.clamp_min(1e-300) * yy.clamp_min(1e-300)).sqrt()).clamp(-1.0, 1.0)
     return torch.where((xx > 0) & (yy > 0), cos, torch.full_like(cos, float("nan")))   # no signal: undefined
@@ -501,9 +512,16 @@ def bootstrap_weights(batches: int, per_block: int, resamples: int, seed: int = 
 
 
 def block_bootstrap(grams: Sequence[tuple], batches_per_block: int, resamples: int, seed: int = 0) -> list[dict]:
-    """gram_stats of each row (K, p[, noise]) under bootstrap_weights' resamples."""
+    """gram_stats of each row (K, p[, noise]) under bootstrap_weights' resamples, each draw's ‖E g_B‖² centered on
+    the estimate's (gram_stats' `center`)."""
     W = bootstrap_weights(len(grams[0][1]), batches_per_block, resamples, seed)
-    return [gram_stats(K, p, rest[0] if rest else torch.zeros_like(p), W, batches_per_block) for K, p, *rest in grams]
+    out = []
+    for K, p, *rest in grams:
+        noise = rest[0] if rest else torch.zeros_like(p)
+        one = gram_stats(K, p, noise, torch.ones(1, len(p), dtype=W.dtype), batches_per_block)
+        center = float(one["expected_sq"][0] - one["msq"][0]) if len(p) // batches_per_block > 1 else 0.0
+        out.append(gram_stats(K, p, noise, W, batches_per_block, center))
+    return out
 
 
 def percentile_interval(x: torch.Tensor) -> list[float]:
@@ -556,7 +574,7 @@ def probe_stats(grads: torch.Tensor, offsets: list[int], trajs, scores, values, 
                                         if r["noise_to_signal"] and rows[base]["noise_to_signal"] else None)
         if r["noise_to_signal_clean"] is not None and rows[base]["noise_to_signal"]:
             r["clean_vs_outcome_2x4"] = r["noise_to_signal_clean"] / rows[base]["noise_to_signal"]
-    boot = [gram_stats(K, p, noise, W, samples) for K, p, noise in grams]
+    boot = block_bootstrap(grams, samples, resamples)                   # the same draws as W
     for r, b in zip(rows, boot):
         r["variance_vs_outcome_2x4_ci"] = percentile_interval(b["noise_to_signal"] / boot[base]["noise_to_signal"])
         if r["noise_to_signal_clean"] is not None:
@@ -571,7 +589,7 @@ def probe_stats(grads: torch.Tensor, offsets: list[int], trajs, scores, values, 
                 gx, gy = kept[(x, composition)], kept[(y, composition)]
                 row = next(r for r in rows if r["scheme"] == x and r["composition"] == composition)
                 row.setdefault("expected_cos", {})[y] = [float(expected_cos(gx, gy, ones, samples)[0]),
-                                                         percentile_interval(expected_cos(gx, gy, W, samples))]
+                                                         percentile_interval(expected_cos(gx, gy, W, samples, True))]
     return rows
 
 
@@ -725,7 +743,7 @@ def table(rows: Sequence[dict], attenuation: float | None, clean: bool = False) 
         lines.append(f"| {r['scheme']} | {r['composition']} | {r['cos_mean']:.3f} ± {r['cos_ci95']:.3f} | {nts} | "
                      f"{rel} {_ci(r['variance_vs_outcome_2x4_ci'])} | {extra}{r['mean_cos']:.2f} | "
                      f"{_ci(r['mean_cos_vs_outcome_2x4_ci'], sign=True)} | {den:.2f} {_ci(r['mean_cos_denoised_ci'])} | "
-                     f"{fmt(den / attenuation if attenuation else None)} | {fmt(r['orthogonal_share'])} |")
+                     f"{fmt(min(1.0, den / attenuation) if attenuation else None)} | {fmt(r['orthogonal_share'])} |")
     return lines
 
 
@@ -738,7 +756,9 @@ def probe_markdown(facts: dict) -> str:
              f"cos(g* halves) {facts['gstar_halves_cos']:.2f}"
              + (f", so cos(g*, E g*) ≈ {att:.2f} (g*'s attenuation)" if att is not None else ""), ""]
     lines += table(facts["rows"], att)
-    lines += ["", "favoured at 8 × 1 (≥ 1.5× less noise than outcome 2 × 4 at equal bias): "
+    lines += ["", "de-noised cos 1.00: the de-noised ‖E g_B‖² came out at or below the squared component along g* "
+              "(no bias seen beyond noise); ÷ g*'s attenuation is capped at 1",
+              "", "favoured at 8 × 1 (≥ 1.5× less noise than outcome 2 × 4 at equal bias): "
               + (", ".join(facts["favoured"]) or "none")]
     if facts.get("ceiling"):
         b = facts["branch"]

@@ -126,17 +126,18 @@ def test_per_step_gradients_add_up_to_the_packed_true_gradient(tiny_dir, tmp_pat
 
 
 def test_block_bootstrap_by_hand():
-    """Four batch gradients in two blocks of two, û* = e₁. The three possible resamples, by hand:
-    blocks (1, 1): ḡ = (1, ½), block means (1, 0) and (1, 1), whose spread (1 + 2)/2 − 5/4 = ¼ over (2 − 1) blocks
-    leaves ‖E g‖² = 5/4 − ¼ = 1; spread = mean ‖g_b‖² − ‖E g‖² = (1 + 1 + 1 + 5)/4 − 1 = 1, along 1 → noise-to-signal
-    1, cos(ḡ, g*) 2/√5; block 1 twice: ḡ = (1, 0), spread 0, cos 1; block 2 twice: ḡ = (1, 1), ‖E g‖² = 2, spread
-    3 − 2 = 1, cos 1/√2.
+    """Four batch gradients in two blocks of two, û* = e₁. The estimate (unit weights): ḡ = (1, ½), block means
+    (1, 0) and (1, 1), whose spread (1 + 2)/2 − 5/4 = ¼ over (2 − 1) blocks leaves ‖E g‖² = 5/4 − ¼ = 1, so each
+    draw's ‖E g‖² is centered by 1 − 5/4 = −¼. The three possible resamples, by hand:
+    blocks (1, 1): ‖E g‖² = 1 − ¼ = ¾; spread = mean ‖g_b‖² − ‖E g‖² = (1 + 1 + 1 + 5)/4 − ¾ = 5/4, along 1 →
+    noise-to-signal 5/4, cos(ḡ, g*) 2/√5; block 1 twice: ḡ = (1, 0), block spread 0, ‖E g‖² = 1 − ¼, spread
+    1 − ¾ = ¼, cos 1; block 2 twice: ḡ = (1, 1), ‖E g‖² = 2 − ¼, spread 3 − 7/4 = 5/4, cos 1/√2.
     A second row (2× the gradients) has the same statistics on every draw: the draw is shared (paired)."""
     G = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [2.0, 1.0]], dtype=torch.float64)
     u = torch.tensor([1.0, 0.0], dtype=torch.float64)
     rows = [(G @ G.T, G @ u), ((2 * G) @ (2 * G).T, (2 * G) @ u)]
     boot = probe.block_bootstrap(rows, batches_per_block=2, resamples=400)
-    hand = {(1.0, round(2 / 5 ** 0.5, 6)), (0.0, 1.0), (1.0, round(1 / 2 ** 0.5, 6))}
+    hand = {(1.25, round(2 / 5 ** 0.5, 6)), (0.25, 1.0), (1.25, round(1 / 2 ** 0.5, 6))}
     seen = {(round(float(a), 6), round(float(c), 6)) for a, c in zip(boot[0]["noise_to_signal"], boot[0]["mean_cos"])}
     assert seen == hand
     torch.testing.assert_close(boot[1]["noise_to_signal"], boot[0]["noise_to_signal"])
@@ -350,6 +351,35 @@ def test_the_de_noised_cosine_recovers_a_known_mean_from_noisy_draws():
     assert spread["with"] > 1.5 * spread["without"]
     clean = float(with_v["noise_to_signal_clean"][0]) * float(with_v["along"][0]) ** 2   # the spread left
     assert clean == pytest.approx(spread["without"], rel=0.1)
+
+
+def test_bootstrap_draws_of_the_de_noised_square_scatter_around_the_estimate():
+    """A draw's truth is the data's ḡ, so an uncentered draw's de-noised ‖E g_B‖² averages ‖ḡ‖², a whole de-noising
+    (the block spread over blocks − 1) above the estimate, and its percentile interval can exclude the estimate.
+    Centered (block_bootstrap; expected_cos with draws=True), the draws average the estimate, within a tenth of
+    that de-noising, for the square and for the cross term of two schemes."""
+    d = 300
+    u = torch.zeros(d, dtype=torch.float64)
+    u[0] = 1.0
+    m = torch.zeros(d, dtype=torch.float64)
+    m[0], m[1] = 0.6, 0.8
+    g = noisy_batches(m, 64, 4, batch_sd=(20 / d) ** 0.5, block_sd=(12 / d) ** 0.5, seed=3)[0]
+    K, p, zero = g @ g.T, g @ u, torch.zeros(64, dtype=torch.float64)
+    one = probe.gram_stats(K, p, zero, torch.ones(1, 64, dtype=torch.float64), 4)
+    estimate, raw = float(one["expected_sq"][0]), float(one["msq"][0])
+    assert raw - estimate > 0.5                                   # the de-noising is large here
+    centered = probe.block_bootstrap([(K, p)], 4, 2000)[0]["expected_sq"]
+    uncentered = probe.gram_stats(K, p, zero, probe.bootstrap_weights(64, 4, 2000), 4)["expected_sq"]
+    assert float(centered.mean()) == pytest.approx(estimate, abs=0.1 * (raw - estimate))
+    assert float(uncentered.mean()) == pytest.approx(raw, abs=0.1 * (raw - estimate))
+    lo, hi = probe.percentile_interval(probe.block_bootstrap([(K, p)], 4, 2000)[0]["mean_cos_denoised"])
+    assert lo <= float(one["mean_cos_denoised"][0]) <= hi
+    gy = noisy_batches(m, 64, 4, batch_sd=(20 / d) ** 0.5, block_sd=(12 / d) ** 0.5, seed=4)[0]
+    W = probe.bootstrap_weights(64, 4, 2000)
+    point = float(probe.expected_cos(g, gy, torch.ones(1, 64, dtype=torch.float64), 4)[0])
+    drawn = probe.expected_cos(g, gy, W, 4, draws=True)
+    plain = probe.expected_cos(g, gy, W, 4)
+    assert abs(float(drawn.nanmedian()) - point) < abs(float(plain.nanmedian()) - point)
 
 
 def test_the_spread_is_tr_cov_when_a_blocks_batches_share_questions():
