@@ -52,7 +52,7 @@ from rubric_model import RubricModel, contexts_from_trajectory
 PROBE = dict(questions=128, samples=4, dims=8192, chunk=16)
 # The branched rollouts: the first `questions` of the batch pool, `continuations` from every prefix h_t (t ≥ 1) of
 # their trajectories, `root` from each question's own h_0 (shared by its samples); prefixes per chunk (resumable).
-BRANCH = dict(questions=64, continuations=4, root=16, chunk=32)
+BRANCH = dict(questions=128, continuations=4, root=16, chunk=32)
 COMPOSITIONS = {"2x4": (2, 4), "8x1": (8, 1)}
 
 
