@@ -439,34 +439,49 @@ def batch_gradients(name: str, batches: Sequence[Sequence[int]], grads: torch.Te
 
 # --- the statistics ----------------------------------------------------------------------------------------------------
 
-def gram_stats(K: torch.Tensor, p: torch.Tensor, noise: torch.Tensor, W: torch.Tensor, per_block: int,
-               center: float = 0.0) -> dict:
-    """A row's statistics from its batch gradients' Gram matrix K = [⟨g_a, g_b⟩], their projections p = [⟨g_b, û*⟩]
-    and a per-batch noise energy to remove (`noise`: the part of ‖g_b − E g_b‖² that V̂'s own sampling adds, or 0),
-    for each row of weights W [R, B] (1 everywhere: the estimate; a bootstrap's resampled counts: its draws):
-    ḡ = Σ w_b g_b / B, along = ⟨ḡ, û*⟩, msq = ‖ḡ‖², the de-noised ‖E g_B‖² (expected_sq): ‖ḡ‖² minus the spread of
-    the block means over (blocks − 1) — the blocks (per_block consecutive batches, disjoint questions) are
-    independent where an 8 × 1 block's batches are not — and with it the spread tr Cov = Σ w_b ‖g_b‖² / B − ‖E g_B‖²
-    (unbiased whether or not a block's batches share questions; Σ w_b ‖g_b‖² / B − ‖ḡ‖² would fall short by
-    tr Cov / B and, at 8 × 1, by the shared part's covariances too), noise_to_signal = spread / along², the same with
-    `noise` removed (noise_to_signal_clean), cos(ḡ, g*), and cos(E g_B, g*) = along / ‖E g_B‖ (‖E g_B‖ floored at
-    |along|, which it cannot be below: a cosine in [−1, 1]). With a single block, nothing to de-noise with: the
-    spread is the batches' own, × B / (B − 1), and ‖E g_B‖² NaN.
-    `center`, for a bootstrap's draws (block_bootstrap): the estimate's de-noising, ‖E g_B‖² − ‖ḡ‖² at unit weights,
-    added to each draw's ‖E g_B‖². A draw's truth is the data's own ḡ, so its de-noised square scatters around
-    ‖ḡ‖², not around the estimate; shifted, the draws scatter around the estimate with the estimate's spread (the
-    percentile interval of an uncentered draw sat a whole de-noising below the estimate, which it could exclude)."""
+def denoised_inner(K: torch.Tensor, W: torch.Tensor, per_block: int, centered: bool = False) -> tuple:
+    """From a (cross-)Gram matrix K = [⟨g^X_a, g^Y_b⟩] of B batch gradients, per row of weights W [R, B]:
+    ⟨ḡ^X, ḡ^Y⟩ with ḡ = Σ w_b g_b / B, and its de-noised expectation ⟨E g^X, E g^Y⟩: ⟨ḡ^X, ḡ^Y⟩ minus the spread of
+    the block means (per_block consecutive batches, disjoint questions: independent where an 8 × 1 block's batches
+    are not) over (blocks − 1); NaN with a single block, nothing to de-noise with.
+    `centered`, for a bootstrap's draws: each draw's de-noised value shifted by the estimate's de-noising (the
+    de-noised minus the plain value at unit weights). A draw's truth is the data's own ḡ, so its de-noised value
+    scatters around ⟨ḡ^X, ḡ^Y⟩, not around the estimate; shifted, the draws scatter around the estimate with the
+    estimate's spread (the percentile interval of an uncentered draw sat a whole de-noising below the estimate,
+    which it could exclude)."""
     B = K.shape[0]
     blocks = B // per_block
-    along = W @ p / B
-    msq = ((W @ K) * W).sum(1) / B ** 2
-    mean_sq = W @ torch.diagonal(K) / B                                            # mean ‖g_b‖² = tr Cov + ‖E g_B‖²
+    plain = ((W @ K) * W).sum(1) / B ** 2
+    if blocks < 2:
+        return plain, torch.full_like(plain, float("nan"))
     M = torch.zeros(B, blocks, dtype=K.dtype)
     M[torch.arange(blocks * per_block), torch.arange(blocks * per_block) // per_block] = 1.0 / per_block
     counts = W[:, ::per_block][:, :blocks]
-    block_spread = counts @ torch.diagonal(M.T @ K @ M) / blocks - msq
-    expected = msq - block_spread / (blocks - 1) + center if blocks > 1 else torch.full_like(msq, float("nan"))
-    spread = mean_sq - expected if blocks > 1 else (mean_sq - msq) * B / (B - 1)
+    block_spread = counts @ torch.diagonal(M.T @ K @ M) / blocks - plain
+    expected = plain - block_spread / (blocks - 1)
+    if centered:
+        one_plain, one_expected = denoised_inner(K, torch.ones(1, B, dtype=K.dtype), per_block)
+        expected = expected + (one_expected - one_plain)
+    return plain, expected
+
+
+def gram_stats(K: torch.Tensor, p: torch.Tensor, noise: torch.Tensor, W: torch.Tensor, per_block: int,
+               centered: bool = False) -> dict:
+    """A row's statistics from its batch gradients' Gram matrix K = [⟨g_a, g_b⟩], their projections p = [⟨g_b, û*⟩]
+    and a per-batch noise energy to remove (`noise`: the part of ‖g_b − E g_b‖² that V̂'s own sampling adds, or 0),
+    for each row of weights W [R, B] (1 everywhere: the estimate; a bootstrap's resampled counts: its draws, then
+    `centered`, see denoised_inner): ḡ = Σ w_b g_b / B, along = ⟨ḡ, û*⟩, msq = ‖ḡ‖², the de-noised ‖E g_B‖²
+    (expected_sq, denoised_inner) and with it the spread tr Cov = Σ w_b ‖g_b‖² / B − ‖E g_B‖² (unbiased whether or
+    not a block's batches share questions; Σ w_b ‖g_b‖² / B − ‖ḡ‖² would fall short by tr Cov / B and, at 8 × 1, by
+    the shared part's covariances too), noise_to_signal = spread / along², the same with `noise` removed
+    (noise_to_signal_clean), cos(ḡ, g*), and cos(E g_B, g*) = along / ‖E g_B‖ (‖E g_B‖ floored at |along|, which it
+    cannot be below: a cosine in [−1, 1]). With a single block, nothing to de-noise with: the spread is the batches'
+    own, × B / (B − 1), and ‖E g_B‖² NaN."""
+    B = K.shape[0]
+    along = W @ p / B
+    msq, expected = denoised_inner(K, W, per_block, centered)
+    mean_sq = W @ torch.diagonal(K) / B                                            # mean ‖g_b‖² = tr Cov + ‖E g_B‖²
+    spread = mean_sq - expected if B // per_block > 1 else (mean_sq - msq) * B / (B - 1)
     clean = spread - W @ noise / B
     return {"along": along, "msq": msq, "spread": spread, "noise_to_signal": spread / along ** 2,
             "noise_to_signal_clean": clean / along ** 2, "mean_cos": along / msq.clamp_min(1e-300).sqrt(),
@@ -475,26 +490,12 @@ def gram_stats(K: torch.Tensor, p: torch.Tensor, noise: torch.Tensor, W: torch.T
 
 
 def expected_cos(gx: torch.Tensor, gy: torch.Tensor, W: torch.Tensor, per_block: int,
-                 draws: bool = False) -> torch.Tensor:
+                 centered: bool = False) -> torch.Tensor:
     """cos(E g^X, E g^Y) of two schemes on the same batches, each expectation's square and their inner product
-    de-noised with the block means (as gram_stats), per row of weights; clipped to [−1, 1], NaN where either
-    de-noised square is not positive (no signal to compare). 1: the two credit schemes step π the same way on
-    average (a baseline's difference changes only the noise). `draws`: W are a bootstrap's resamples, each inner
-    product centered on the estimate's (gram_stats' `center`)."""
-    B = gx.shape[0]
-    blocks = B // per_block
-
-    def denoise(a, b, W):
-        counts = W[:, ::per_block][:, :blocks]
-        mean = ((W @ (a @ b.T)) * W).sum(1) / B ** 2
-        am, bm = (x[:blocks * per_block].view(blocks, per_block, -1).mean(1) for x in (a, b))
-        spread = counts @ (am * bm).sum(1) / blocks - mean
-        return -spread / (blocks - 1) + mean
-
-    def inner(a, b):
-        center = float(denoise(a, b, torch.ones(1, B, dtype=W.dtype))[0] - (a.mean(0) @ b.mean(0))) if draws else 0.0
-        return denoise(a, b, W) + center
-    xy, xx, yy = inner(gx, gy), inner(gx, gx), inner(gy, gy)
+    de-noised (denoised_inner; `centered` for a bootstrap's draws), per row of weights; clipped to [−1, 1], NaN where
+    either de-noised square is not positive (no signal to compare). 1: the two credit schemes step π the same way
+    on average (a baseline's difference changes only the noise)."""
+    xy, xx, yy = (denoised_inner(a @ b.T, W, per_block, centered)[1] for a, b in ((gx, gy), (gx, gx), (gy, gy)))
     cos = (xy / (xx.clamp_min(1e-300) * yy.clamp_min(1e-300)).sqrt()).clamp(-1.0, 1.0)
     return torch.where((xx > 0) & (yy > 0), cos, torch.full_like(cos, float("nan")))   # no signal: undefined
 
@@ -513,15 +514,10 @@ def bootstrap_weights(batches: int, per_block: int, resamples: int, seed: int = 
 
 def block_bootstrap(grams: Sequence[tuple], batches_per_block: int, resamples: int, seed: int = 0) -> list[dict]:
     """gram_stats of each row (K, p[, noise]) under bootstrap_weights' resamples, each draw's ‖E g_B‖² centered on
-    the estimate's (gram_stats' `center`)."""
+    the estimate's (denoised_inner)."""
     W = bootstrap_weights(len(grams[0][1]), batches_per_block, resamples, seed)
-    out = []
-    for K, p, *rest in grams:
-        noise = rest[0] if rest else torch.zeros_like(p)
-        one = gram_stats(K, p, noise, torch.ones(1, len(p), dtype=W.dtype), batches_per_block)
-        center = float(one["expected_sq"][0] - one["msq"][0]) if len(p) // batches_per_block > 1 else 0.0
-        out.append(gram_stats(K, p, noise, W, batches_per_block, center))
-    return out
+    return [gram_stats(K, p, rest[0] if rest else torch.zeros_like(p), W, batches_per_block, centered=True)
+            for K, p, *rest in grams]
 
 
 def percentile_interval(x: torch.Tensor) -> list[float]:
@@ -589,7 +585,7 @@ def probe_stats(grads: torch.Tensor, offsets: list[int], trajs, scores, values, 
                 gx, gy = kept[(x, composition)], kept[(y, composition)]
                 row = next(r for r in rows if r["scheme"] == x and r["composition"] == composition)
                 row.setdefault("expected_cos", {})[y] = [float(expected_cos(gx, gy, ones, samples)[0]),
-                                                         percentile_interval(expected_cos(gx, gy, W, samples, True))]
+                                                         percentile_interval(expected_cos(gx, gy, W, samples, centered=True))]
     return rows
 
 

@@ -356,7 +356,7 @@ def test_the_de_noised_cosine_recovers_a_known_mean_from_noisy_draws():
 def test_bootstrap_draws_of_the_de_noised_square_scatter_around_the_estimate():
     """A draw's truth is the data's ḡ, so an uncentered draw's de-noised ‖E g_B‖² averages ‖ḡ‖², a whole de-noising
     (the block spread over blocks − 1) above the estimate, and its percentile interval can exclude the estimate.
-    Centered (block_bootstrap; expected_cos with draws=True), the draws average the estimate, within a tenth of
+    Centered (block_bootstrap; expected_cos with centered=True), the draws average the estimate, within a tenth of
     that de-noising, for the square and for the cross term of two schemes."""
     d = 300
     u = torch.zeros(d, dtype=torch.float64)
@@ -377,7 +377,7 @@ def test_bootstrap_draws_of_the_de_noised_square_scatter_around_the_estimate():
     gy = noisy_batches(m, 64, 4, batch_sd=(20 / d) ** 0.5, block_sd=(12 / d) ** 0.5, seed=4)[0]
     W = probe.bootstrap_weights(64, 4, 2000)
     point = float(probe.expected_cos(g, gy, torch.ones(1, 64, dtype=torch.float64), 4)[0])
-    drawn = probe.expected_cos(g, gy, W, 4, draws=True)
+    drawn = probe.expected_cos(g, gy, W, 4, centered=True)
     plain = probe.expected_cos(g, gy, W, 4)
     assert abs(float(drawn.nanmedian()) - point) < abs(float(plain.nanmedian()) - point)
 
