@@ -6,12 +6,10 @@ import ast
 from pathlib import Path
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
+from test_layout import ROOT, SCRIPTS, defined
 
-ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "walkthrough.ipynb"
-SCRIPTS = ["arco", "env", "rubric_model", "warmup", "evaluate"]
 
 
 def code_cells(nb) -> list[str]:
@@ -20,15 +18,7 @@ def code_cells(nb) -> list[str]:
 
 def public_names(script: str) -> set[str]:
     """What a script defines at its top level (functions, classes, assignments), public ones only."""
-    out = set()
-    for node in ast.parse((ROOT / f"{script}.py").read_text(encoding="utf-8")).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            out.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
-                if isinstance(t, ast.Name):
-                    out.add(t.id)
-    return {n for n in out if not n.startswith("_")}
+    return {n for n in defined(script) if not n.startswith("_")}
 
 
 def names_used(sources: list[str]) -> tuple[set[str], set[str]]:
