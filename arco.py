@@ -108,6 +108,11 @@ class Args(Settings):
     kl_pi_dense: float | None = from_preset(paper=0.05, cpu=0.05, help="λ_π in dense epochs (Eq. 3; release 0.05)")
     kl_mu: float | None = from_preset(paper=0.05, cpu=0.05, help="β, rubric-token KL(μ‖μ_ref) weight (Eq. 5; 0.05)")
     alpha: float | None = from_preset(paper=0.5, cpu=0.5, help="α, dense reward scale (Eq. 3; 0.5)")
+    logprob_temperature: str | None = from_preset(
+        paper="1", cpu="1", choices=["1", "rollout"],
+        help="the temperature of Eq. 3's log π(a_t|h_t) and of its KL: 1 (release: the logits as they are, though π "
+             "samples at --rollout-temperature) or rollout (logits / --rollout-temperature, the distribution π "
+             "sampled from, as verl and TRL: then a constant advantage moves π by zero in expectation)")
     lora_dropout: float | None = from_preset(paper=0.05, cpu=0.05, below=1,
                                              help="dropout of π's and μ's RL LoRA adapters (release 0.05); 0 makes a "
                                                   "torchrun run's updates those of the single-process run")
@@ -427,6 +432,14 @@ def gradient_step(optimizer, what: str, workers: Workers, *totals: float, step: 
     return totals
 
 
+def log_pi_temperature(args: Args) -> float:
+    """The T of log π(a_t|h_t) = log softmax(logits / T) in Eq. 3 (--logprob-temperature): the rollout's, or 1.
+    Only at the rollout's is E_a[∇ log π(a|h)] = 0 under the sampling distribution, so that a baseline (any
+    advantage offset that does not depend on a_t) leaves the expected update unchanged; at 1 it moves it by
+    −b · E[Σ_t ∇ log π] (tests/test_arco.py checks both by enumeration)."""
+    return args.rollout_temperature if args.logprob_temperature == "rollout" else 1.0
+
+
 def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_pi: float, workers: Workers = ALONE) -> dict:
     """Alg. 1, lines 33–35: one gradient step on Eq. 3 over the batch's valid steps, λ_π = `kl_pi`."""
     steps = [(st, a) for t, a_t in zip(trajs, A) for st, a in zip(t.steps, a_t) if st.valid]          # V_τ
@@ -438,7 +451,8 @@ def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_pi:
     pi.model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_sum = kl_sum = 0.0
-    for p in training_passes(pi, seqs, lens, bool(kl_pi), args.pass_tokens, workers.own([[i] for i in range(len(seqs))])):
+    for p in training_passes(pi, seqs, lens, bool(kl_pi), args.pass_tokens, workers.own([[i] for i in range(len(seqs))]),
+                             temperature=log_pi_temperature(args)):       # log π(a_t|h_t) at T, and its KL
         kl = reduce_tokens(p.kl, p.mask, args.token_reduction) if kl_pi else None     # KL_t(π ‖ π_ref)
         loss = policy_loss(p.logprobs.sum(-1), adv[p.index].to(p.logprobs.device), len(trajs), kl, kl_pi)  # Eq. 3
         loss.backward()

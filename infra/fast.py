@@ -209,7 +209,8 @@ class StepPass:
 
 
 def packed_steps(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Sequence[int],
-                 root: SharedPrefix | None = None, ref_logq: Sequence[torch.Tensor] | None = None) -> list[StepPass]:
+                 root: SharedPrefix | None = None, ref_logq: Sequence[torch.Tensor] | None = None,
+                 temperature: float = 1.0) -> list[StepPass]:
     """One packed pass (`pack`) over sequences that continue `root`: for each, the sum of its last
     hidden states (mean pooling, Eq. 2), the log-probs of its last `response_lens[i]` tokens (the LM
     head on those positions only) and, given the reference's log-softmax there, the per-token
@@ -221,7 +222,7 @@ def packed_steps(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Seq
     for i, (seq, r) in enumerate(zip(seqs, response_lens)):
         hp = h[torch.tensor(packed.paths[i], device=h.device)]
         total = hp.float().sum(0) + (root.hidden_sum if n else 0.0)
-        logq = torch.log_softmax(lm_logits(bb, hp[len(seq) - r - 1 - n:len(seq) - 1 - n]).float(), -1)
+        logq = torch.log_softmax(lm_logits(bb, hp[len(seq) - r - 1 - n:len(seq) - 1 - n]).float() / temperature, -1)
         target = torch.tensor(seq[len(seq) - r:], device=h.device)
         logprobs = logq.gather(-1, target[:, None])[:, 0]
         kl = token_kl(logq, ref_logq[i]) if ref_logq is not None else None
@@ -231,7 +232,7 @@ def packed_steps(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Seq
 
 @torch.no_grad()
 def reference_logq(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Sequence[int],
-                   root: SharedPrefix | None = None) -> list[torch.Tensor]:
+                   root: SharedPrefix | None = None, temperature: float = 1.0) -> list[torch.Tensor]:
     """log p_ref over the vocabulary at each response position of each sequence ([R, V] each), p_ref =
     the backbone with its adapter disabled (π_ref, μ_ref): the no-grad side of the KL of Eq. 3 / Eq. 5.
     `root`: a SharedPrefix made under reference(bb) too."""
@@ -240,7 +241,7 @@ def reference_logq(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: S
         packed = pack(seqs, n)
         h = packed_hidden(bb, packed, root)
         return [torch.log_softmax(lm_logits(bb, h[torch.tensor(packed.paths[i][len(s) - r - 1 - n:len(s) - 1 - n],
-                                                               device=h.device)]), -1)
+                                                               device=h.device)]) / temperature, -1)
                 for i, (s, r) in enumerate(zip(seqs, response_lens))]
 
 
@@ -278,7 +279,8 @@ def token_passes(seqs: Sequence[Sequence[int]], budget: int | None, start: int =
 # 3. The training passes of the fast engine (infra.passes.training_passes with engine FAST)
 # ----------------------------------------------------------------------------------------
 
-def fast_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool, budget: int, units: list[list[int]]):
+def fast_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool, budget: int, units: list[list[int]],
+                temperature: float = 1.0):
     """The fast engine: the units' common beginning runs once (SharedPrefix, for the reference too), the
     rest in packed rows (packed_steps) of at most `budget` tokens (token_passes); a unit longer than that
     alone is cut into parts recomputed in the backward (gradient checkpointing)."""
@@ -292,7 +294,8 @@ def fast_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool, 
 
     def part(idx):                        # one packed row
         sub, sub_lens = [seqs[i] for i in idx], [lens[i] for i in idx]
-        outs = packed_steps(bb, sub, sub_lens, root, reference_logq(bb, sub, sub_lens, ref_root) if kl else None)
+        outs = packed_steps(bb, sub, sub_lens, root, reference_logq(bb, sub, sub_lens, ref_root, temperature)
+                            if kl else None, temperature)
         return [o.logprobs for o in outs], [o.kl for o in outs], torch.stack([o.hidden_sum / o.length for o in outs])
     for parts in token_passes(seqs, budget, root.n, units):
         res = [part(parts[0])] if len(parts) == 1 else [checkpoint(part, p, use_reentrant=False) for p in parts]

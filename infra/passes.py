@@ -71,7 +71,7 @@ class Engine:
     """One way of computing what the algorithm asks of a model: the training passes of an update and the replies
     of a generation call, the same numbers whichever computes them (tests/test_engines.py): PLAIN below, FAST in
     infra/fast.py; infra/engines.py names them for --engine."""
-    passes: Callable        # (bb, seqs, response lens, kl, token budget, units) → a Pass per group of units
+    passes: Callable        # (bb, seqs, response lens, kl, token budget, units, temperature) → a Pass per group
     decode: Callable        # (bb, prompt ids, max_new_tokens, temperature, batch_size, steer, hidden, memo, seeds)
                             #   → (Generation, mean last hidden state or None) per prompt, in order
     memo: Callable          # () → what policy_act keeps from one round of a rollout to the next (or None)
@@ -213,11 +213,12 @@ def response_positions(prompt_lens: Sequence[int], response_lens: Sequence[int],
 
 
 def sequence_logprobs(bb: Backbone, prompt_ids: Sequence[Sequence[int]],
-                      response_ids: Sequence[Sequence[int]]) -> ResponseLogprobs:
+                      response_ids: Sequence[Sequence[int]], temperature: float = 1.0) -> ResponseLogprobs:
     """log p(response tokens | prompt) for a batch of (prompt, response) pairs: one right-padded forward
     pass of the decoder, then only the positions that predict a response token go through the LM head —
     on SmolLM2 the 49k-word projection is about half the cost of a full pass. Gradients flow when grad is
-    enabled. (The passes the losses read: training_passes.)"""
+    enabled. `temperature`: the log-softmax of logits / T (the distribution π samples from at T). (The passes
+    the losses read: training_passes.)"""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     if any(len(p) == 0 for p in prompt_ids):
@@ -226,7 +227,7 @@ def sequence_logprobs(bb: Backbone, prompt_ids: Sequence[Sequence[int]],
                           bb.tokenizer.pad_token_id, bb.device)
     hidden = last_hidden_states(bb, ids, mask)                              # [B, L, H]
     resp_mask, rows, pos = response_positions([len(p) for p in prompt_ids], [len(r) for r in response_ids], bb.device)
-    logits = lm_logits(bb, hidden[rows, pos])                                 # [N, V] fp32, response positions only
+    logits = lm_logits(bb, hidden[rows, pos]) / temperature                   # [N, V] fp32, response positions only
     token_logp = -F.cross_entropy(logits, ids[rows, pos + 1], reduction="none")
     logprobs = torch.zeros(resp_mask.shape, device=hidden.device, dtype=token_logp.dtype)
     return ResponseLogprobs(logprobs.masked_scatter(resp_mask, token_logp), resp_mask)
@@ -284,26 +285,28 @@ class Pass:
 
 def training_passes(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Sequence[int], kl: bool = False,
                     budget: int | None = 1024, units: Sequence[Sequence[int]] | None = None,
-                    share: Callable[[int], slice] | None = None):
+                    share: Callable[[int], slice] | None = None, temperature: float = 1.0):
     """The passes of one update over `seqs`, the last `response_lens[i]` tokens of each being its response:
     a `Pass` per group of sequences, each unit of `units` (index lists, e.g. the steps of a trajectory, which
     Eq. 5 couples; default: each sequence alone) whole in one pass. The caller backpropagates each pass's
     loss; the engine (the backbone's: Backbone.engine) finishes the backward of what the passes share when
     the loop ends. With `kl`, the per-token KL to the reference (the adapter disabled). `budget`: the most
     tokens in a pass of the fast engine (None: one pass per unit). `share` (torchrun): n units → this rank's
-    slice."""
+    slice. `temperature` T: log-probs (and the KL's two distributions) of softmax(logits / T)."""
     units = [list(u) for u in units] if units is not None else [[i] for i in range(len(seqs))]
     if share is not None:
         units = units[share(len(units))]
     if units:
-        yield from engine_of(bb).passes(bb, [list(x) for x in seqs], list(response_lens), kl, budget, units)
+        yield from engine_of(bb).passes(bb, [list(x) for x in seqs], list(response_lens), kl, budget, units,
+                                        temperature)
 
 
-def plain_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool, budget: int, units: list[list[int]]):
+def plain_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool, budget: int, units: list[list[int]],
+                 temperature: float = 1.0):
     """The plain engine: one ordinary forward pass per sequence, the reference's by a second one with the
     adapter disabled; one Pass per unit. No packing, no shared prefix, no checkpointing (`budget` unused)."""
     def response_logq(hidden: torch.Tensor, r: int) -> torch.Tensor:      # [L, H] → log-softmax at the r
-        return torch.log_softmax(lm_logits(bb, hidden[len(hidden) - r - 1:len(hidden) - 1]), -1)  # positions before them
+        return torch.log_softmax(lm_logits(bb, hidden[len(hidden) - r - 1:len(hidden) - 1]) / temperature, -1)
     for unit in units:
         logprobs, kls, pooled = [], [], []
         for i in unit:

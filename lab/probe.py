@@ -5,9 +5,7 @@
 Part of the credit study (its settings, warmup and sparse phases are lab/study.py's, its oracles lab/truth.py's). At
 a π — π_sft of the study's warmup, or π at a seed's fork (its sparse phase run first where missing) — and with
 respect to the weights RL trains (π's LoRA adapter): the expected update g* is estimated from a held-out pool of
-rollouts (outcome REINFORCE with each question's leave-one-out mean as the baseline: the update as implemented,
-sampled at the rollout temperature, log π at temperature 1 — not exactly ∇J; score_drift sizes the difference),
-and every credit scheme's
+rollouts (outcome REINFORCE with each question's leave-one-out mean as the baseline), and every credit scheme's
 batch gradient g_B = (1/|B|) Σ_τ Σ_t A_{τ,t} ∇ log π(a_t|h_t) (Eq. 3's, its KL term aside) is formed on 64 disjoint
 batches of the study's budget, 8 trajectories, drawn from a second pool: 2 questions × 4 samples (the study's
 composition) or 8 questions × 1 (the release's dense composition). One pool and one per-step gradient serve every
@@ -19,7 +17,15 @@ carries the fingerprint of the pool and π it was computed on (a stage of anothe
 The ceiling of step credit (issue 60): from every prefix h_t of the first BRANCH["questions"] questions' trajectories
 π is run on BRANCH["continuations"] more times (branch_rollouts), so that V̂(h_t) and Q̂(h_t, a_t) = V̂(h_{t+1}) are
 Monte-Carlo estimates from the same continuations; R − V̂(h_t) is the best any exactly-decomposing, prefix-only μ
-can hand π (Eq. 3's G_t = R − Σ_{k<t} s_k with Σ_{k<t} s_k = V^π(h_t)), Q̂ − V̂ the best any step critic can.
+can hand π (Eq. 3's G_t = R − Σ_{k<t} s_k with Σ_{k<t} s_k = V^π(h_t); at t = 0 the sum is empty, so through ARCO's
+estimator, with Eq. 4's buckets, it is `branch eq4`), Q̂ − V̂ the best any step critic can.
+
+Issue 67: every statistic twice, with log π at temperature 1 (the update as the release implements it: π samples at
+the rollout temperature, so a baseline is not neutral; score_drift sizes that) and at the rollout temperature (arco.py's
+--logprob-temperature rollout: neutral baselines, g* = ∇J up to the dropped invalid steps); and where outcome RL's step
+is zero — the 2 × 4 groups whose samples all fail — whether μ's credit moves π the way the critic's Q̂ − V̂ does
+(allfail_stats), binned by the question's success rate p̂ from its continuations, with the AUC of μ's s_t for the
+sign of Q̂ − V̂ there, corrected for V̂'s noise (noisy_label_auc).
 """
 from __future__ import annotations
 
@@ -49,10 +55,10 @@ from lab.study import fmt, run_once, study_args
 from lab.truth import ground_truth_scores
 from rubric_model import RubricModel, contexts_from_trajectory
 
-PROBE = dict(questions=128, samples=4, dims=8192, chunk=16)
+PROBE = dict(questions=256, samples=4, dims=8192, chunk=16)
 # The branched rollouts: the first `questions` of the batch pool, `continuations` from every prefix h_t (t ≥ 1) of
 # their trajectories, `root` from each question's own h_0 (shared by its samples); prefixes per chunk (resumable).
-BRANCH = dict(questions=128, continuations=4, root=16, chunk=32)
+BRANCH = dict(questions=256, continuations=4, root=16, chunk=32)
 COMPOSITIONS = {"2x4": (2, 4), "8x1": (8, 1)}
 
 
@@ -143,45 +149,66 @@ def probe_rollouts(pi, questions: Sequence, samples: int, args: arco.Args, path:
 
 # --- per-step gradients and g* -------------------------------------------------------------------------------------
 
-def step_logprob(pi, st) -> torch.Tensor:
-    """log π(a_t|h_t): the sum of the action's token log-probs, with its graph (one sequence)."""
+def temperatures(args: arco.Args) -> dict[str, float]:
+    """The temperatures log π is taken at (issue 67): "1", the update as the release implements it (π samples at
+    the rollout temperature, its loss reads log softmax(z)), and "rollout", the neutral one (log softmax(z / T) at
+    the sampling temperature T, arco.py's --logprob-temperature rollout: then E_a[∇ log π(a|h)] = 0 and a baseline
+    leaves the expected update unchanged)."""
+    return {"1": 1.0, "rollout": args.rollout_temperature}
+
+
+def step_logprobs(pi, st, temps: Sequence[float]) -> list[torch.Tensor]:
+    """log π(a_t|h_t) at each temperature T: the sum of the action's token log-probs under softmax(logits / T),
+    one forward shared, each with its graph (one sequence)."""
     seqs, lens = passes.policy_sequences(pi, [st])
-    return passes.sequence_logprobs(pi, [seqs[0][:-lens[0]]], [seqs[0][-lens[0]:]]).sums()[0]
+    ids = torch.tensor([seqs[0]], device=pi.device)
+    hidden = passes.last_hidden_states(pi, ids, torch.ones_like(ids))[0]
+    n, r = len(seqs[0]), lens[0]
+    logits = passes.lm_logits(pi, hidden[n - r - 1:n - 1])                       # [r, V]: the positions before them
+    return [torch.log_softmax(logits / T, -1).gather(-1, ids[0, n - r:, None]).sum() for T in temps]
 
 
 def step_gradients(pi, trajs: Sequence, sketch: Sketch, path: Path, check_path: Path, check: int = 24,
-                   fingerprint: str | None = None) -> torch.Tensor:
-    """∇ log π(a_t|h_t) of every step, sketched: [steps, dims] (zeros for invalid steps, outside V_τ); kept in
-    `path` a chunk of trajectories at a time (resumable, with the pool's fingerprint). The first chunk also writes
-    `check_path` (sketch_check on the full gradients of its first `check` valid steps)."""
+                   fingerprint: str | None = None, temps: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+    """∇ log π(a_t|h_t) of every step at each temperature of `temps` ({label: T}; default {"1": 1}), sketched:
+    {label: [steps, dims]} (zeros for invalid steps, outside V_τ); one forward per step, one backward per T. Kept
+    in `path` a chunk of trajectories at a time (resumable, with the pool's fingerprint). The first chunk also
+    writes `check_path` (sketch_check on the full gradients, at the first T, of its first `check` valid steps)."""
     from tqdm import tqdm
+    temps = temps or {"1": 1.0}
     params = models.trainable_parameters(pi.model)
-    done = torch.load(path, weights_only=True) if path.is_file() else {"trajectories": 0, "rows": []}
+    done = torch.load(path, weights_only=True) if path.is_file() else {"trajectories": 0, "rows": {k: [] for k in temps}}
     same_pool(path, done.get("fingerprint"), fingerprint)
-    rows, full = list(done["rows"]), []
+    if set(done["rows"]) != set(temps):
+        raise DataError(f"{path} holds gradients at temperatures {', '.join(done['rows'])}, not "
+                        f"{', '.join(temps)}: delete it to compute it again")
+    rows, full = {k: list(v) for k, v in done["rows"].items()}, []
     pi.model.eval()                                  # no LoRA dropout: the gradient of π itself
     chunk = PROBE["chunk"] * 2
     for start in tqdm(range(done["trajectories"], len(trajs), chunk), desc="per-step gradients"):
         for t in trajs[start:start + chunk]:
             for st in t.steps:
                 if not st.valid:
-                    rows.append(torch.zeros(sketch.dims))
+                    for k in temps:
+                        rows[k].append(torch.zeros(sketch.dims))
                     continue
-                for p in params:
-                    p.grad = None
-                step_logprob(pi, st).backward()
-                g = flat_grad(params)
-                if start == 0 and len(full) < check:
-                    full.append(g)
-                rows.append(sketch(g))
+                logps = step_logprobs(pi, st, list(temps.values()))
+                for j, (k, logp) in enumerate(zip(temps, logps)):
+                    for p in params:
+                        p.grad = None
+                    logp.backward(retain_graph=j + 1 < len(logps))
+                    g = flat_grad(params)
+                    if j == 0 and start == 0 and len(full) < check:
+                        full.append(g)
+                    rows[k].append(sketch(g))
         if start == 0:
             write_json(check_path, sketch_check(sketch, full))
         torch.save({"trajectories": min(start + chunk, len(trajs)), "rows": rows, "fingerprint": fingerprint}, path)
     steps = sum(len(t.steps) for t in trajs)
-    if len(rows) != steps:
-        raise DataError(f"{path} holds {len(rows)} step gradients, the pool {steps} steps: delete it to compute "
-                            f"it again")
-    return torch.stack(rows)
+    if any(len(v) != steps for v in rows.values()):
+        raise DataError(f"{path} holds {len(next(iter(rows.values())))} step gradients, the pool {steps} steps: "
+                        f"delete it to compute it again")
+    return {k: torch.stack(v) for k, v in rows.items()}
 
 
 def sketch_check(sketch: Sketch, full: Sequence[torch.Tensor]) -> dict:
@@ -215,13 +242,14 @@ def loo_advantages(trajs: Sequence) -> list[float]:
 
 
 def true_gradient(pi, trajs: Sequence, sketch: Sketch, args: arco.Args, path: Path,
-                  fingerprint: str | None = None) -> dict:
+                  fingerprint: str | None = None, temperature: float = 1.0) -> dict:
     """g* estimated on the held-out pool, sketched, as two halves (the first and second half of its questions:
     their agreement says how noisy g* is): (1/n) Σ_τ A_τ Σ_{t∈V_τ} ∇ log π(a_t|h_t) with the leave-one-out outcome
-    advantage (trajectories with A = 0 contribute nothing and are skipped). This is the update as implemented —
-    rollouts sampled at the rollout temperature, log π at temperature 1, invalid steps dropped — not exactly ∇J
-    (score_drift measures the difference's source). Kept in `path` per chunk (resumable: sketched sums are
-    additive), with the held-out pool's fingerprint."""
+    advantage (trajectories with A = 0 contribute nothing and are skipped), log π at `temperature`. At 1 this is
+    the update as the release implements it — rollouts sampled at the rollout temperature, log π at temperature
+    1, invalid steps dropped — not exactly ∇J (score_drift measures the difference's source); at the rollout
+    temperature it is ∇J of the sampling policy up to the dropped invalid steps. Kept in `path` per chunk
+    (resumable: sketched sums are additive), with the held-out pool's fingerprint."""
     from tqdm import tqdm
     params = models.trainable_parameters(pi.model)
     A = loo_advantages(trajs)
@@ -247,7 +275,8 @@ def true_gradient(pi, trajs: Sequence, sketch: Sketch, args: arco.Args, path: Pa
             for p in params:
                 p.grad = None
             adv = torch.tensor([a for _, a in steps])
-            for p in passes.training_passes(pi, seqs, lens, budget=args.pass_tokens, units=units):
+            for p in passes.training_passes(pi, seqs, lens, budget=args.pass_tokens, units=units,
+                                            temperature=temperature):
                 (-(adv[p.index].to(p.logprobs.device) * (p.logprobs * p.mask).sum(-1)).sum() / half).backward()
             halves[h] -= sketch(flat_grad(params))          # the loss's gradient is −g
         torch.save({"trajectories": min(start + chunk, len(trajs)), "halves": halves, "fingerprint": fingerprint},
@@ -397,6 +426,11 @@ def scheme_advantages(name: str, batch: Sequence[int], trajs, scores: dict, valu
     if name in ("branch value", "branch critic"):
         pick = (lambda b, k, t: t.reward - b["V"][k]) if name == "branch value" else (lambda b, k, t: b["Q"][k] - b["V"][k])
         return [[pick(branch[i], k, t) if ok else 0.0 for k, ok in enumerate(v)] for i, t, v in zip(batch, ts, valid)]
+    if name == "branch eq4":         # what ARCO's estimator hands π from a perfect decomposing μ: G_0 = R (an empty
+        G = [[t.reward - (branch[i]["V"][k] if k else 0.0) for k in range(len(t.steps))]   # prefix sum), then
+             for i, t in zip(batch, ts)]                                                     # R − V̂(h_t), Eq. 4
+        buckets = [arco.step_buckets([st.action for st in t.steps], v) for t, v in zip(ts, valid)]
+        return arco.bucketed_advantages(G, buckets, valid, alpha, fallback)
     kind, *rest = name.split()
     if kind == "verdict":
         verdict = arco.outcome_advantages([sum(scores[rest[0]][i]) for i in batch], groups)
@@ -425,14 +459,19 @@ def probe_batches(n_questions: int, samples: int, composition: str) -> list[list
 
 
 def batch_gradients(name: str, batches: Sequence[Sequence[int]], grads: torch.Tensor, offsets: Sequence[int],
-                    composition: str, trajs, scores, values, alpha: float, fallback: bool, branch=None) -> torch.Tensor:
-    """g_B = (1/|B|) Σ_τ Σ_t A_{τ,t} ∇ log π(a_t|h_t) of each batch under a scheme: [batches, dims], float64."""
+                    composition: str, trajs, scores, values, alpha: float, fallback: bool, branch=None,
+                    keep: set[int] | None = None) -> torch.Tensor:
+    """g_B = (1/|B|) Σ_τ Σ_t A_{τ,t} ∇ log π(a_t|h_t) of each batch under a scheme: [batches, dims], float64. With
+    `keep` (trajectory indices), only those trajectories' terms — the advantages still computed on the whole
+    batch, as the update computes them: the part of g_B that a subset of the pool contributes (the parts of
+    disjoint subsets add up to g_B)."""
     out = []
     for batch in batches:
         A = scheme_advantages(name, batch, trajs, scores, values, composition, alpha, fallback, branch)
         coef = torch.zeros(grads.shape[0], dtype=torch.float64)
         for i, a_t in zip(batch, A):
-            coef[offsets[i]:offsets[i] + len(a_t)] = torch.tensor(a_t, dtype=torch.float64)
+            if keep is None or i in keep:
+                coef[offsets[i]:offsets[i] + len(a_t)] = torch.tensor(a_t, dtype=torch.float64)
         out.append((coef @ grads.double()) / len(batch))
     return torch.stack(out)
 
@@ -577,7 +616,23 @@ def probe_stats(grads: torch.Tensor, offsets: list[int], trajs, scores, values, 
             r["clean_vs_outcome_2x4_ci"] = percentile_interval(b["noise_to_signal_clean"] / boot[base]["noise_to_signal"])
         r["mean_cos_ci"] = percentile_interval(b["mean_cos"])
         r["mean_cos_vs_outcome_2x4_ci"] = percentile_interval(b["mean_cos"] - boot[base]["mean_cos"])
+        r["mean_cos_vs_outcome_ci"] = percentile_interval(
+            b["mean_cos"] - boot[next(i for i, o in enumerate(rows) if o["scheme"] == "outcome"
+                                      and o["composition"] == r["composition"])]["mean_cos"])
         r["mean_cos_denoised_ci"] = percentile_interval(b["mean_cos_denoised"])
+    at = {(r["scheme"], r["composition"]): i for i, r in enumerate(rows)}
+    for i, (r, b) in enumerate(zip(rows, boot)):             # against outcome at the row's own composition
+        o = at[("outcome", r["composition"])]
+        if r["noise_to_signal"] and rows[o]["noise_to_signal"]:
+            r["variance_vs_outcome"] = r["noise_to_signal"] / rows[o]["noise_to_signal"]
+            r["variance_vs_outcome_ci"] = percentile_interval(b["noise_to_signal"] / boot[o]["noise_to_signal"])
+        if r["noise_to_signal_clean"] is not None and rows[o]["noise_to_signal"]:
+            r["clean_vs_outcome"] = r["noise_to_signal_clean"] / rows[o]["noise_to_signal"]
+            r["clean_vs_outcome_ci"] = percentile_interval(b["noise_to_signal_clean"] / boot[o]["noise_to_signal"])
+        v = at.get(("branch value", r["composition"]))      # the critic ÷ the value: the same expected gradient,
+        if r["scheme"] == "branch critic" and v is not None:   # so a pure comparison of their noise (V̂'s removed)
+            r["clean_vs_value"] = r["noise_to_signal_clean"] / rows[v]["noise_to_signal_clean"]
+            r["clean_vs_value_ci"] = percentile_interval(b["noise_to_signal_clean"] / boot[v]["noise_to_signal_clean"])
     ones = torch.ones(1, W.shape[1], dtype=torch.float64)
     for x, y in pairs:
         for composition in COMPOSITIONS:
@@ -627,10 +682,151 @@ def favoured(rows: Sequence[dict], factor: float = 1.5) -> list[str]:
             and r["variance_vs_outcome_2x4_ci"][1] <= 1 / factor and r["mean_cos_vs_outcome_2x4_ci"][1] >= 0]
 
 
+# --- where outcome RL's step is zero: the groups that all fail (issue 67) ---------------------------------------------
+
+P_BINS = [("p̂ = 0", 0.0, 0.0), ("0 < p̂ ≤ ¼", 0.0, 0.25), ("¼ < p̂ ≤ ½", 0.25, 0.5), ("p̂ > ½", 0.5, 1.0)]
+
+
+def p_bin(p: float) -> str:
+    """The bin of a question's success rate p̂ (P_BINS: lower end exclusive, but p̂ = 0 its own bin)."""
+    return next(name for name, lo, hi in P_BINS if (p == 0.0 if hi == 0.0 else lo < p <= hi))
+
+
+def question_sets(trajs, branch_full: Sequence, n_questions: int, samples: int) -> dict[str, list[int]]:
+    """The pool's questions (question q: trajectories q·samples … q·samples + samples − 1, its group at 2 × 4) by how
+    their group ended — "all fail" (every R = 0: the group-mean outcome advantage is 0 on every step), "mixed",
+    "all succeed" (also 0) — and the all-fail and mixed ones again by p̂ = V̂(h_0), the question's success rate
+    from its branched root continuations (P_BINS): "all fail, p̂ = 0", ... {set: [question indices]}."""
+    out: dict[str, list[int]] = {"all fail": [], "mixed": [], "all succeed": []}
+    for q in range(n_questions):
+        R = [trajs[q * samples + k].reward for k in range(samples)]
+        kind = "all fail" if not any(R) else "all succeed" if all(r >= 1 for r in R) else "mixed"
+        out[kind].append(q)
+    for kind in ("all fail", "mixed"):
+        for name, *_ in P_BINS:
+            out[f"{kind}, {name}"] = [q for q in out[kind] if p_bin(branch_full[q * samples]["V"][0]) == name]
+    return out
+
+
+ALLFAIL_SCHEMES = ["outcome", "branch value", "branch eq4", "{mu} eq4", "verdict {mu}"]     # each against the critic
+
+
+def allfail_stats(grads: torch.Tensor, offsets: list[int], trajs, scores: dict, values, branch: dict, mu: str,
+                  n_questions: int, samples: int, alpha: float, fallback: bool, resamples: int = 2000) -> dict:
+    """Does a scheme push π where the true step advantages point, where outcome RL's step is zero? On the 2 × 4
+    batches of the first n_questions, each set of question_sets contributes a part of every batch gradient
+    (batch_gradients' `keep`: the advantages computed on the whole batch, as the update does). Per set and scheme X
+    (ALLFAIL_SCHEMES, `{mu}` the μ's name), against the branch critic C (Q̂ − V̂: each step's estimated true
+    advantage, unbiased under V̂'s noise, so E g^C is ∇J's part from the set): the de-noised ⟨E g^X, E g^C⟩
+    (denoised_inner), cos(E g^X, E g^C) (expected_cos), `along` = ⟨E g^X, E g^C⟩ / ‖E g^C‖ (how far X's mean step
+    goes the critic's way), and `along_vs_outcome_mixed`: that ÷ outcome RL's own `along` on the mixed groups
+    (what X adds where outcome RL gives nothing, against what outcome RL moves where it moves), each with its
+    interval from one paired block bootstrap (the sets share the batches' blocks, centered as block_bootstrap's).
+    Counts: questions, trajectories and valid steps of each set."""
+    batches = probe_batches(n_questions, samples, "2x4")
+    W = bootstrap_weights(len(batches), samples, resamples)
+    ones = torch.ones(1, len(batches), dtype=torch.float64)
+    sets = question_sets(trajs, branch["full"], n_questions, samples)
+    common = (grads, offsets, "2x4", trajs, scores, values, alpha, fallback)
+    counts, rows, draws = {}, [], {}
+    for name, qs in sets.items():
+        keep = {q * samples + k for q in qs for k in range(samples)}
+        counts[name] = {"questions": len(qs), "trajectories": len(keep),
+                        "valid_steps": sum(st.valid for i in keep for st in trajs[i].steps)}
+        if not qs:
+            continue
+        crit = batch_gradients("branch critic", batches, *common, branch=branch["full"], keep=keep)
+        cc = [denoised_inner(crit @ crit.T, w, samples, centered=c)[1] for w, c in ((ones, False), (W, True))]
+        for scheme in ALLFAIL_SCHEMES:
+            x = scheme.format(mu=mu)
+            gx = batch_gradients(x, batches, *common, branch=branch["full"], keep=keep)
+            xc = [denoised_inner(gx @ crit.T, w, samples, centered=c)[1] for w, c in ((ones, False), (W, True))]
+            along = [a / c.clamp_min(1e-300).sqrt() for a, c in zip(xc, cc)]
+            draws[(name, x)] = along[1]
+            cos = float(expected_cos(gx, crit, ones, samples)[0])
+            rows.append({"set": name, "scheme": x, "inner": float(xc[0][0]), "inner_ci": percentile_interval(xc[1]),
+                         "cos": None if math.isnan(cos) else cos,
+                         "cos_ci": percentile_interval(expected_cos(gx, crit, W, samples, centered=True)),
+                         "along": float(along[0][0]), "along_ci": percentile_interval(along[1]),
+                         "critic_sq": float(cc[0][0])})
+    base = next((r for r in rows if r["set"] == "mixed" and r["scheme"] == "outcome"), None)
+    for r in rows:
+        if base and base["along"] != 0:
+            r["along_vs_outcome_mixed"] = r["along"] / base["along"]
+            r["along_vs_outcome_mixed_ci"] = percentile_interval(draws[(r["set"], r["scheme"])] /
+                                                                 draws[("mixed", "outcome")])
+    return {"sets": counts, "rows": rows, "auc": allfail_auc(trajs, scores[mu], branch, sets["all fail"], samples)}
+
+
+def noisy_label_auc(scores: Sequence[float], a: Sequence[float], b: Sequence[float]) -> dict:
+    """The AUC of `scores` for the sign of a quantity known only through two independent noisy estimates `a`, `b`
+    of it (the halves of the continuations), corrected for the labels' noise. Model: an estimate's sign is the
+    true sign flipped with probability ε, independently of the score and of the other half. Then the two halves
+    agree in sign with probability (1 − ε)² + ε², which gives ε; the AUC measured against one half's signs (zero
+    estimates left out) is 0.5 + κ (AUC − 0.5), κ = (purity of its positives) + (purity of its negatives) − 1,
+    both from ε and the observed share of positives; so AUC = 0.5 + (measured − 0.5) / κ (None when κ < 0.1:
+    labels too noisy to say). Also the AUC against the halves' mean (`raw`) and the counts."""
+    from evaluate import auc
+    def measured(est):
+        keep = [i for i, e in enumerate(est) if e != 0]
+        return auc([scores[i] for i in keep], [est[i] > 0 for i in keep]), \
+            sum(est[i] > 0 for i in keep) / max(1, len(keep)), len(keep)
+    full = [(x + y) / 2 for x, y in zip(a, b)]
+    raw, _, n_raw = measured(full)
+    (auc_a, pos_a, n_a), (auc_b, pos_b, n_b) = measured(a), measured(b)
+    both = [i for i in range(len(a)) if a[i] != 0 and b[i] != 0]
+    out = {"steps": len(a), "steps_signed": n_raw, "steps_both_halves_signed": len(both), "raw": raw,
+           "halves": None, "agreement": None, "flip": None, "kappa": None, "corrected": None}
+    if auc_a is None or auc_b is None or not both:
+        return out
+    agree = sum((a[i] > 0) == (b[i] > 0) for i in both) / len(both)
+    eps = (1 - math.sqrt(max(2 * agree - 1, 0.0))) / 2
+    measured_auc, share = (auc_a + auc_b) / 2, (pos_a + pos_b) / 2
+    pi = min(1.0, max(0.0, (share - eps) / (1 - 2 * eps))) if eps < 0.5 else share
+    kappa = (pi * (1 - eps) / share if share else 0.0) + ((1 - pi) * (1 - eps) / (1 - share) if share < 1 else 0.0) - 1
+    out.update(halves=measured_auc, agreement=agree, flip=eps, kappa=kappa,
+               corrected=min(1.0, max(0.0, 0.5 + (measured_auc - 0.5) / kappa)) if kappa >= 0.1 else None)
+    return out
+
+
+def allfail_auc(trajs, mu_scores: Sequence[Sequence[float]], branch: dict, questions: Sequence[int], samples: int,
+                resamples: int = 1000, seed: int = 0) -> dict:
+    """noisy_label_auc of μ's s_t for the sign of Q̂ − V̂ on the valid steps of the given questions' trajectories
+    (the all-fail groups), the halves' Q̂ − V̂ as the two estimates; its interval from a bootstrap over the
+    questions."""
+    per_q = []
+    for q in questions:
+        rows = []
+        for i in range(q * samples, (q + 1) * samples):
+            for k, st in enumerate(trajs[i].steps):
+                if st.valid:
+                    rows.append((mu_scores[i][k], *(branch[h][i]["Q"][k] - branch[h][i]["V"][k] for h in "ab")))
+        per_q.append(rows)
+
+    def of(qs):
+        rows = [r for q in qs for r in per_q[q]]
+        return noisy_label_auc([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    out = of(range(len(per_q)))
+    g = torch.Generator().manual_seed(seed)
+    boot = [of(torch.randint(0, len(per_q), (len(per_q),), generator=g).tolist())["corrected"]
+            for _ in range(resamples if per_q else 0)]
+    boot = torch.tensor([x for x in boot if x is not None], dtype=torch.float64)
+    out["corrected_ci"] = percentile_interval(boot) if len(boot) else [math.nan, math.nan]
+    out["questions"] = len(per_q)
+    return out
+
+
+def allfail_signal(allfail: dict, mu: str) -> list[str]:
+    """Issue 67's rule for an RL check: μ's schemes (its Eq. 3–4 credit, its verdict) whose mean step on the
+    all-fail groups goes the critic's way beyond noise (the lower end of ⟨E g^X, E g^C⟩'s interval above 0)."""
+    return [r["scheme"] for r in allfail["rows"] if r["set"] == "all fail" and r["scheme"] in (f"{mu} eq4", f"verdict {mu}")
+            and r["inner_ci"][0] > 0]
+
+
 # --- the probe, stage by stage ---------------------------------------------------------------------------------------
 
 SCHEMES = ["outcome", "value", "causal eq4", "causal state"]                     # then each μ's (probe)
-CEILING = ["outcome", "value", "causal state", "branch value", "branch critic"]    # on the branched questions
+CEILING = ["outcome", "value", "causal state", "branch value", "branch eq4", "branch critic"]   # the branched questions
 
 
 def probe(argv: Sequence[str], points: Sequence[str], seed: int) -> Path:
@@ -673,9 +869,13 @@ def probe(argv: Sequence[str], points: Sequence[str], seed: int) -> Path:
             pi, questions[:n], k, base, folder / "pool.jsonl", seed, pi_id))
         held, held_fp = stage("rollouts (g* pool)", lambda: probe_rollouts(
             pi, questions[n:], k, base, folder / "held.jsonl", seed + 7919, pi_id))
-        gstar = stage("g*", lambda: true_gradient(pi, held, sketch, base, folder / "gstar.pt", held_fp))
+        temps = temperatures(base)
+        gstars = {label: stage(f"g* (log π at T {label})", lambda: true_gradient(
+            pi, held, sketch, base, folder / ("gstar.pt" if label == "1" else f"gstar-{label}.pt"), held_fp, T))
+            for label, T in temps.items()}
         grads = stage("per-step gradients", lambda: step_gradients(pi, pool, sketch, folder / "grads.pt",
-                                                                   folder / "sketch.json", fingerprint=pool_fp))
+                                                                   folder / "sketch.json", fingerprint=pool_fp,
+                                                                   temps=temps))
         done = stage("branched rollouts", lambda: branch_rollouts(pi, pool, base, folder / "branches.jsonl", seed,
                                                                   pool_fp))
         pi = None                                            # the μs below need the memory
@@ -691,26 +891,32 @@ def probe(argv: Sequence[str], points: Sequence[str], seed: int) -> Path:
         pairs = [(f"{name} {b}", f"verdict {name}") for name in mus for b in ("eq4", "state")] + \
             [(x, "outcome") for x in ("value", "causal state", "causal eq4", "branch value", "branch critic")]
         values = mc_values(pool)
-        rows = probe_stats(grads, offsets, pool, scores, values, gstar, SCHEMES + mu_rows, n, k, base.alpha,
-                           base.bucket_fallback, pairs=pairs)
         branch = branch_values(pool, done, BRANCH["questions"], k)
-        ceiling = probe_stats(grads, offsets, pool, scores, values, gstar, CEILING + [f"{m} state" for m in mus],
-                              BRANCH["questions"], k, base.alpha, base.bucket_fallback, branch=branch, pairs=pairs)
+        mu = next(iter(mus))
+        at = {}
+        for label, T in temps.items():                       # the same statistics with log π at each temperature
+            g, gs = grads[label], gstars[label]
+            rows = probe_stats(g, offsets, pool, scores, values, gs, SCHEMES + mu_rows, n, k, base.alpha,
+                               base.bucket_fallback, pairs=pairs)
+            ceiling = probe_stats(g, offsets, pool, scores, values, gs, CEILING + [f"{m} state" for m in mus],
+                                  BRANCH["questions"], k, base.alpha, base.bucket_fallback, branch=branch, pairs=pairs)
+            allfail = allfail_stats(g, offsets, pool, scores, values, branch, mu, BRANCH["questions"], k, base.alpha,
+                                    base.bucket_fallback)
+            at[label] = {"T": T, "gstar": gstar_attenuation(gs), "gstar_halves_cos": float(F_cos(*gs["halves"])),
+                         "drift": score_drift(g, offsets, pool, k, gs), "rows": rows, "ceiling": ceiling,
+                         "favoured": favoured(rows), "allfail": allfail, "allfail_signal": allfail_signal(allfail, mu)}
         brows = read_jsonl(folder / "branches.jsonl")
         facts = {"point": point, "seed": seed, "pool": {"trajectories": len(pool), "questions": n,
-                 "steps": int(grads.shape[0]), "mean_R": sum(t.reward for t in pool) / len(pool),
+                 "steps": int(grads["1"].shape[0]), "mean_R": sum(t.reward for t in pool) / len(pool),
                  "fingerprint": pool_fp, "pi": pi_id},
                  "held": {"trajectories": len(held), "questions": n, "mean_R": sum(t.reward for t in held) / len(held),
                           "nonzero_advantage": sum(a != 0 for a in loo_advantages(held)), "fingerprint": held_fp},
-                 "gstar": gstar_attenuation(gstar), "gstar_halves_cos": float(F_cos(gstar["halves"][0], gstar["halves"][1])),
-                 "drift": score_drift(grads, offsets, pool, k, gstar),
                  "branch": {"questions": BRANCH["questions"], "trajectories": BRANCH["questions"] * k,
                             "root_continuations": BRANCH["root"], "continuations": BRANCH["continuations"],
                             "prefixes": len(brows), "rollouts": sum(len(r["rewards"]) for r in brows),
                             "continued_steps": sum(r.get("steps", 0) for r in brows),
                             "valid_steps": sum(st.valid for t in pool[:BRANCH["questions"] * k] for st in t.steps)},
-                 "sketch": json.loads((folder / "sketch.json").read_text()), "seconds": seconds, "rows": rows,
-                 "ceiling": ceiling, "favoured": favoured(rows)}
+                 "sketch": json.loads((folder / "sketch.json").read_text()), "seconds": seconds, "at": at}
         write_json(folder / "probe.json", facts)
         print(probe_markdown(facts))
     return out
@@ -723,55 +929,85 @@ def _ci(lo_hi, f=".2f", sign=False) -> str:
 
 
 def table(rows: Sequence[dict], attenuation: float | None, clean: bool = False) -> list[str]:
-    """probe_markdown's table: one line per (scheme, composition)."""
-    head = ("| scheme | batch | cos(g_B, g*) | noise-to-signal | vs outcome 2×4 | "
+    """probe_markdown's table: one line per (scheme, composition); every "vs outcome" against outcome RL at the same
+    composition, on the same batches (paired intervals)."""
+    head = ("| scheme | batch | cos(g_B, g*) | noise-to-signal | vs outcome | "
             + ("V̂'s noise removed | " if clean else "")
-            + "cos(ḡ, g*) | vs outcome 2×4 | de-noised cos(E g_B, g*) | ÷ g*'s attenuation | ḡ ⟂ g* |")
+            + "cos(ḡ, g*) | vs outcome | de-noised cos(E g_B, g*) | ÷ g*'s attenuation | ḡ ⟂ g* |")
     lines = [head, "|" + "---|" * head.count(" | ")]
     for r in rows:
         nts = "–" if r["noise_to_signal"] is None else f"{r['noise_to_signal']:.0f}"
-        rel = "–" if r["variance_vs_outcome_2x4"] is None else f"{r['variance_vs_outcome_2x4']:.2f}"
+        rel = "–" if r.get("variance_vs_outcome") is None else \
+            f"{r['variance_vs_outcome']:.2f} {_ci(r['variance_vs_outcome_ci'])}"
         extra = ""
         if clean:
-            extra = (f"{r['clean_vs_outcome_2x4']:.2f} {_ci(r['clean_vs_outcome_2x4_ci'])} | "
-                     if r.get("clean_vs_outcome_2x4") is not None else "– | ")
+            extra = (f"{r['clean_vs_outcome']:.2f} {_ci(r['clean_vs_outcome_ci'])}" if r.get("clean_vs_outcome") is not None
+                     else "–") + (f"; ÷ value {r['clean_vs_value']:.2f} {_ci(r['clean_vs_value_ci'])}"
+                                  if r.get("clean_vs_value") is not None else "") + " | "
         den = r["mean_cos_denoised"]
         lines.append(f"| {r['scheme']} | {r['composition']} | {r['cos_mean']:.3f} ± {r['cos_ci95']:.3f} | {nts} | "
-                     f"{rel} {_ci(r['variance_vs_outcome_2x4_ci'])} | {extra}{r['mean_cos']:.2f} | "
-                     f"{_ci(r['mean_cos_vs_outcome_2x4_ci'], sign=True)} | {den:.2f} {_ci(r['mean_cos_denoised_ci'])} | "
+                     f"{rel} | {extra}{r['mean_cos']:.2f} | {_ci(r['mean_cos_vs_outcome_ci'], sign=True)} | "
+                     f"{den:.2f} {_ci(r['mean_cos_denoised_ci'])} | "
                      f"{fmt(min(1.0, den / attenuation) if attenuation else None)} | {fmt(r['orthogonal_share'])} |")
     return lines
 
 
+def allfail_table(allfail: dict) -> list[str]:
+    """probe_markdown's all-fail table: per set (with its counts) and scheme, the mean step against the critic's."""
+    lines = ["| questions | (questions, steps) | scheme | ⟨E g, E g^C⟩ × 10⁶ | cos(E g, E g^C) | along E g^C ÷ outcome's "
+             "on the mixed groups |", "|---|---|---|---|---|---|"]
+    for r in allfail["rows"]:
+        c = allfail["sets"][r["set"]]
+        rel = f"{r['along_vs_outcome_mixed']:.2f} {_ci(r['along_vs_outcome_mixed_ci'])}" \
+            if r.get("along_vs_outcome_mixed") is not None else "–"
+        lines.append(f"| {r['set']} | {c['questions']}, {c['valid_steps']} | {r['scheme']} | "
+                     f"{r['inner'] * 1e6:+.2f} {_ci([x * 1e6 for x in r['inner_ci']], sign=True)} | {fmt(r['cos'])} "
+                     f"{_ci(r['cos_ci'])} | {rel} |")
+    a = allfail["auc"]
+    lines += ["", f"μ's s_t for the sign of Q̂ − V̂ on the all-fail groups' valid steps ({a['questions']} questions, "
+                  f"{a['steps']} steps, {a['steps_signed']} with Q̂ ≠ V̂): AUC {fmt(a['raw'])} against the full "
+                  f"estimate's sign, {fmt(a['halves'])} against a half's; halves agree in sign on "
+                  f"{fmt(a['agreement'])} of {a['steps_both_halves_signed']} steps (flip rate {fmt(a['flip'])}, "
+                  f"κ {fmt(a['kappa'])}): corrected AUC {fmt(a['corrected'])} {_ci(a['corrected_ci'])}"]
+    return lines
+
+
 def probe_markdown(facts: dict) -> str:
-    g = facts.get("gstar", {})
-    att = g.get("attenuation")
+    """The probe's tables, once per temperature of log π (facts["at"])."""
+    b = facts["branch"]
     lines = [f"probe at {facts['point']} (seed {facts['seed']}): batch pool {facts['pool']['trajectories']} "
              f"trajectories of {facts['pool']['questions']} questions (mean R {facts['pool']['mean_R']:.2f}); g* from "
-             f"{facts['held']['trajectories']} ({facts['held']['nonzero_advantage']} with a non-zero advantage); "
-             f"cos(g* halves) {facts['gstar_halves_cos']:.2f}"
-             + (f", so cos(g*, E g*) ≈ {att:.2f} (g*'s attenuation)" if att is not None else ""), ""]
-    lines += table(facts["rows"], att)
-    lines += ["", "de-noised cos 1.00: the de-noised ‖E g_B‖² came out at or below the squared component along g* "
-              "(no bias seen beyond noise); ÷ g*'s attenuation is capped at 1",
-              "", "favoured at 8 × 1 (≥ 1.5× less noise than outcome 2 × 4 at equal bias): "
-              + (", ".join(facts["favoured"]) or "none")]
-    if facts.get("ceiling"):
-        b = facts["branch"]
+             f"{facts['held']['trajectories']} ({facts['held']['nonzero_advantage']} with a non-zero advantage)"]
+    for label, at in facts["at"].items():
+        att = at["gstar"].get("attenuation")
+        lines += ["", f"## log π at T = {at['T']:g} ({label})", "",
+                  f"cos(g* halves) {at['gstar_halves_cos']:.2f}"
+                  + (f", so cos(g*, E g*) ≈ {att:.2f} (g*'s attenuation)" if att is not None else ""), ""]
+        lines += table(at["rows"], att)
+        lines += ["", "de-noised cos 1.00: the de-noised ‖E g_B‖² came out at or below the squared component along g* "
+                  "(no bias seen beyond noise); ÷ g*'s attenuation is capped at 1",
+                  "", "favoured at 8 × 1 (≥ 1.5× less noise than outcome 2 × 4 at equal bias): "
+                  + (", ".join(at["favoured"]) or "none")]
         lines += ["", f"the ceiling of step credit, on the first {b['questions']} questions ({b['trajectories']} "
                       f"trajectories): V̂(h_0) from {b['root_continuations']} continuations, V̂(h_t) and Q̂(h_t, a_t) "
                       f"= V̂(h_{{t+1}}) from {b['continuations']} (Q̂ exact at the last step); {b['rollouts']} "
-                      f"continuations from {b['prefixes']} prefixes", ""]
-        lines += table(facts["ceiling"], att, clean=True)
-    pairs = [(r["scheme"], r["composition"], y, v) for r in facts["rows"] + facts.get("ceiling", [])
-             for y, v in (r.get("expected_cos") or {}).items()]
-    if pairs:
-        lines += ["", "same expected step? de-noised cos(E g^X, E g^Y):"]
-        lines += [f"- {x} vs {y} ({c}): {fmt(None if math.isnan(v[0]) else v[0])} {_ci(v[1])}" for x, c, y, v in pairs]
-    if facts.get("drift"):
-        d = facts["drift"]
-        lines += ["", f"temperature mismatch: ‖E Σ_t ∇ log π‖ = {fmt(d['ratio'])} × ‖g‖ (a constant baseline at the "
-                      f"mean R {d['mean_R']:.2f} shifts the expected step by {fmt(d['bias_at_mean_R'])} × ‖g‖)"]
+                      f"continuations from {b['prefixes']} prefixes. `branch value` subtracts V̂(h_0) at t = 0, which no "
+                      f"decomposing μ can (its G_0 = R): `branch eq4` is what ARCO's estimator hands π from a perfect "
+                      f"decomposing μ (G_0 = R, then R − V̂(h_t), Eq. 4's buckets)", ""]
+        lines += table(at["ceiling"], att, clean=True)
+        pairs = [(r["scheme"], r["composition"], y, v) for r in at["rows"] + at["ceiling"]
+                 for y, v in (r.get("expected_cos") or {}).items()]
+        if pairs:
+            lines += ["", "same expected step? de-noised cos(E g^X, E g^Y):"]
+            lines += [f"- {x} vs {y} ({c}): {fmt(None if math.isnan(v[0]) else v[0])} {_ci(v[1])}"
+                      for x, c, y, v in pairs]
+        d = at["drift"]
+        lines += ["", f"‖E Σ_t ∇ log π‖ = {fmt(d['ratio'])} × ‖g‖ (a constant baseline at the mean R {d['mean_R']:.2f} "
+                      f"shifts the expected step by {fmt(d['bias_at_mean_R'])} × ‖g‖)"]
+        lines += ["", "where outcome RL's step is zero (2 × 4 groups; C: the branch critic Q̂ − V̂):", ""]
+        lines += allfail_table(at["allfail"])
+        lines += ["", "an RL check (μ's mean step on the all-fail groups the critic's way beyond noise): "
+                  + (", ".join(at["allfail_signal"]) or "none")]
     return "\n".join(lines) + "\n"
 
 

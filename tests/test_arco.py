@@ -704,3 +704,46 @@ def test_rubric_update_pools_the_mean_of_each_sequences_hidden_states(tiny_dir):
             plain = mu.pooled(contexts, rubrics)        # right-padded pass, rm.mean_pool over the real tokens
         assert pooled.shape == plain.shape and torch.allclose(pooled, plain, atol=1e-5)
     hook.remove()
+
+
+@pytest.mark.parametrize("engine", [PLAIN, FAST], ids=["plain", "fast"])
+def test_a_constant_advantage_moves_pi_only_when_log_pi_is_not_at_the_sampling_temperature(engine):
+    """By enumeration on a tiny π with a 16-token vocabulary and one-token actions: Eq. 3's expected gradient
+    under a constant advantage A, Σ_a p_T(a) · ∇(−A log π(a|h)), a ~ softmax(z / T) as the rollout samples. With
+    --logprob-temperature rollout (log π of softmax(z / T)) it is zero: a baseline is neutral. With 1 (the
+    release) it is −A Σ_a (p_T(a) − p_1(a)) ∇z_a, the formula's amount, computed here from the logits z."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    bb = models.Backbone(LlamaForCausalLM(config), None, "tiny-16", engine=engine)
+    models.add_lora(bb, dropout=0.0)
+    perturb_lora(bb, std=0.3)
+    params = models.trainable_parameters(bb.model)
+    prompt, A, T = [1, 5, 7, 3], 0.8, 0.7
+    seqs, lens = [prompt + [a] for a in range(16)], [1] * 16
+
+    def logits() -> torch.Tensor:                                   # z at the position that picks the action
+        return passes.lm_logits(bb, passes.last_hidden_states(bb, torch.tensor([prompt]),
+                                                              torch.ones(1, len(prompt), dtype=torch.long))[0, -1])
+    with torch.no_grad():
+        z = logits()
+    p_T, p_1 = torch.softmax(z / T, -1), torch.softmax(z, -1)
+
+    def expected_gradient(logprob_temperature: str) -> torch.Tensor:
+        args = arco.Args(rollout_temperature=T, logprob_temperature=logprob_temperature)
+        for p in params:
+            p.grad = None
+        for p in passes.training_passes(bb, seqs, lens, budget=None, temperature=arco.log_pi_temperature(args)):
+            arco.policy_loss(p.logprobs.sum(-1), A * p_T[p.index], 1).backward()     # weights p_T(a): the expectation
+        return torch.cat([p.grad.reshape(-1) for p in params])
+
+    at_rollout, at_one = expected_gradient("rollout"), expected_gradient("1")
+    for p in params:
+        p.grad = None
+    (-A * ((p_T - p_1) * logits()).sum()).backward()              # −A Σ_a (p_T(a) − p_1(a)) ∇z_a
+    formula = torch.cat([p.grad.reshape(-1) for p in params])
+    assert float(at_one.norm()) > 1e-3
+    assert torch.allclose(at_one, formula, atol=1e-6 * float(formula.abs().max()) + 1e-9, rtol=1e-4)
+    assert float(at_rollout.norm()) < 1e-5 * float(at_one.norm())

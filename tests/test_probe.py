@@ -110,19 +110,26 @@ def test_per_step_gradients_add_up_to_the_packed_true_gradient(tiny_dir, tmp_pat
         for k, st in enumerate(t.steps):
             st.prompt = env.policy_messages(t.example.question, env.format_history(t.steps[:k]), st.searches_left)
     sketch = probe.Sketch(models.trainable_parameters(pi.model), 2048, seed=0)
-    grads = probe.step_gradients(pi, trajs, sketch, tmp_path / "grads.pt", tmp_path / "sketch.json", check=3)
-    assert grads.shape == (7, 2048) and (tmp_path / "sketch.json").is_file()
-    again = probe.step_gradients(pi, trajs, sketch, tmp_path / "grads.pt", tmp_path / "sketch.json")
-    assert torch.equal(again, grads)                                                   # resumed: nothing recomputed
+    temps = {"1": 1.0, "rollout": 0.7}
+    both = probe.step_gradients(pi, trajs, sketch, tmp_path / "grads.pt", tmp_path / "sketch.json", check=3,
+                                temps=temps)
+    assert set(both) == {"1", "rollout"} and both["1"].shape == (7, 2048) and (tmp_path / "sketch.json").is_file()
+    assert not torch.allclose(both["1"], both["rollout"])
+    again = probe.step_gradients(pi, trajs, sketch, tmp_path / "grads.pt", tmp_path / "sketch.json", temps=temps)
+    assert all(torch.equal(again[k], both[k]) for k in temps)                          # resumed: nothing recomputed
+    with pytest.raises(env.DataError, match="temperatures 1, rollout"):
+        probe.step_gradients(pi, trajs, sketch, tmp_path / "grads.pt", tmp_path / "sketch.json")
     A = probe.loo_advantages(trajs)
     ranges = env.step_ranges(trajs)
     half = len(trajs) // 2
-    want = [sum(A[i] * grads[ranges[i].start:ranges[i].stop].sum(0) for i in range(h * half, (h + 1) * half)) / half
-            for h in (0, 1)]
     args = arco.resolve_args(arco.Args(pass_tokens=4096))
-    got = probe.true_gradient(pi, trajs, sketch, args, tmp_path / "gstar.pt")
-    for h in (0, 1):
-        torch.testing.assert_close(got["halves"][h], want[h], rtol=1e-3, atol=1e-5)
+    for label, T in temps.items():                  # log π at T: the per-step path and the packed passes agree
+        grads = both[label]
+        want = [sum(A[i] * grads[ranges[i].start:ranges[i].stop].sum(0) for i in range(h * half, (h + 1) * half))
+                / half for h in (0, 1)]
+        got = probe.true_gradient(pi, trajs, sketch, args, tmp_path / f"gstar-{label}.pt", temperature=T)
+        for h in (0, 1):
+            torch.testing.assert_close(got["halves"][h], want[h], rtol=1e-3, atol=1e-5)
 
 
 def test_block_bootstrap_by_hand():
@@ -180,7 +187,8 @@ def test_probe_stats_and_its_table_on_a_synthetic_pool():
     true = sum(A[i] * grads[offsets[i]:offsets[i] + len(t.steps)].sum(0) for i, t in enumerate(trajs)) / len(trajs)
     gstar = {"g": true + 0.1 * torch.randn(64, generator=g)}
     scores = {"causal": [[t.reward / len(t.steps)] * len(t.steps) for t in trajs]}
-    schemes = ["outcome", "value", "causal eq4", "causal state", "verdict causal", "branch value", "branch critic"]
+    schemes = ["outcome", "value", "causal eq4", "causal state", "verdict causal", "branch value", "branch eq4",
+               "branch critic"]
     values = probe.mc_values(trajs)
     noisy = [[[v + 0.1 * float(torch.randn(1, generator=g)) for v in row] for row in values] for _ in "ab"]
     branch = {h: [{"V": V, "Q": V[1:] + [t.reward]} for V, t in zip(Vs, trajs)]
@@ -213,11 +221,29 @@ def test_probe_stats_and_its_table_on_a_synthetic_pool():
     for r in rows[:2] + rows[len(schemes):len(schemes) + 2]:           # outcome and value, both compositions
         (y, (point, (lo, hi))), = r["expected_cos"].items()
         assert y == "outcome" and (math.isnan(point) or (-1 <= point <= 1 and lo <= hi))
+    for r in rows:                                    # "vs outcome": at the row's own composition, paired
+        o = next(x for x in rows if x["scheme"] == "outcome" and x["composition"] == r["composition"])
+        assert r["variance_vs_outcome"] == pytest.approx(r["noise_to_signal"] / o["noise_to_signal"])
+        if r["scheme"] == "outcome":
+            assert r["variance_vs_outcome_ci"] == pytest.approx([1.0, 1.0])
+        if r["scheme"] == "branch critic":            # critic ÷ value, V̂'s noise removed from both
+            v = next(x for x in rows if x["scheme"] == "branch value" and x["composition"] == r["composition"])
+            assert r["clean_vs_value"] == pytest.approx(r["noise_to_signal_clean"] / v["noise_to_signal_clean"])
+            assert r["clean_vs_value_ci"][0] <= r["clean_vs_value_ci"][1]
+    branch_full = branch["full"]
+    allfail = probe.allfail_stats(grads, offsets, trajs, {**scores, "mu": scores["causal"]}, values, branch, "mu", 16, 4,
+                                  0.5, True, resamples=200)
+    at = {"T": 1.0, "gstar": {"attenuation": 0.7}, "gstar_halves_cos": 0.5, "rows": rows, "ceiling": rows,
+          "favoured": probe.favoured(rows), "allfail": allfail, "allfail_signal": probe.allfail_signal(allfail, "mu"),
+          "drift": {"ratio": 1.0, "mean_R": 0.4, "bias_at_mean_R": 0.4}}
     facts = {"point": "sft", "seed": 0, "pool": {"trajectories": 64, "questions": 16, "mean_R": 0.4},
-             "held": {"trajectories": 64, "nonzero_advantage": 60}, "gstar_halves_cos": 0.5, "rows": rows,
-             "favoured": probe.favoured(rows)}
+             "held": {"trajectories": 64, "nonzero_advantage": 60}, "at": {"1": at, "rollout": {**at, "T": 0.7}},
+             "branch": {"questions": 16, "trajectories": 64, "root_continuations": 4, "continuations": 4,
+                        "rollouts": 100, "prefixes": 50}}
     table = probe.probe_markdown(facts)
-    assert table.count("\n| ") == len(rows) + 1 and "favoured at 8 × 1" in table and "value vs outcome (2x4)" in table
+    assert table.count("\n| ") == 2 * (2 * (len(rows) + 1) + len(allfail["rows"]) + 1)
+    assert "favoured at 8 × 1" in table and "value vs outcome (2x4)" in table and "## log π at T = 0.7" in table
+    assert branch_full is branch["full"]
 
 
 # --- issue 60: the branched rollouts and the de-noised statistics --------------------------------------------------
@@ -452,13 +478,14 @@ def test_a_stage_of_another_pool_is_refused(tmp_path):
     file, before anything is computed; a μ-score file whose count is not the pool's steps is refused too."""
     q = env.synthetic_examples(1)[0]
     trajs = [Script.make(q, ["Search[a]", "Finish[x]"], 1.0)]
-    torch.save({"trajectories": 1, "rows": [torch.zeros(4)] * 2, "fingerprint": "aaaa"}, tmp_path / "grads.pt")
+    torch.save({"trajectories": 1, "rows": {"1": [torch.zeros(4)] * 2}, "fingerprint": "aaaa"}, tmp_path / "grads.pt")
     dummy = type("Pi", (), {"model": torch.nn.Linear(1, 1)})()
     with pytest.raises(env.DataError, match="grads.pt was computed on another pool"):
         probe.step_gradients(dummy, trajs, probe.Sketch([torch.nn.Parameter(torch.zeros(2))], 4), tmp_path / "grads.pt",
                              tmp_path / "sketch.json", fingerprint="bbbb")
+    torch.save({"trajectories": 1, "rows": {"1": [torch.zeros(4)] * 2}, "fingerprint": "aaaa"}, tmp_path / "grads.pt")
     assert probe.step_gradients(dummy, trajs, None, tmp_path / "grads.pt", tmp_path / "sketch.json",
-                                fingerprint="aaaa").shape == (2, 4)
+                                fingerprint="aaaa")["1"].shape == (2, 4)
     torch.save({"trajectories": 1, "s": torch.zeros(3), "fingerprint": "aaaa"}, tmp_path / "mu.pt")
     with pytest.raises(env.DataError, match="3 step scores, the pool 2 steps"):
         probe.probe_mu_scores(tmp_path / "mu", trajs, None, tmp_path / "mu.pt", "aaaa")
@@ -474,3 +501,101 @@ def test_an_odd_number_of_continuations_is_refused():
         probe.branch_values(trajs, {(0, 0): [1.0, 0.0, 1.0], (0, 1): [1.0, 0.0]}, 1, 1)
     halves = probe.branch_values(trajs, {(0, 0): [1.0, 0.0, 1.0, 1.0], (0, 1): [1.0, 0.0]}, 1, 1)
     assert halves["a"][0] == {"V": [0.5, 1.0], "Q": [1.0, 1.0]} and halves["b"][0] == {"V": [1.0, 0.0], "Q": [0.0, 1.0]}
+
+
+# --- issue 67: the groups that all fail, the decomposing μ through Eq. 4 ------------------------------------------
+
+def test_branch_eq4_advantages_by_hand():
+    """What ARCO's estimator hands π from a perfect decomposing μ: G_0 = R (the empty prefix sum), G_t = R − V̂(h_t)
+    after, through Eq. 4's buckets. A: Search Search Finish, R 1, V̂ (.5, .25, .75) → G (1, .75, .25); B: Search
+    Finish, R 0, V̂ (.5, .5) → G (0, −.5). search_1 {1, 0} → ½; search_2 {.75} alone → the batch mean 1.5/5 = .3
+    (fallback); terminal {.25, −.5} → −.125. α = ½."""
+    q1, q2 = env.synthetic_examples(2)
+    trajs = [Script.make(q1, ["Search[a]", "Search[b]", "Finish[x]"], 1.0), Script.make(q2, ["Search[a]", "Finish[y]"], 0.0)]
+    branch = [{"V": [0.5, 0.25, 0.75], "Q": [0.25, 0.75, 1.0]}, {"V": [0.5, 0.5], "Q": [0.5, 0.0]}]
+    A = probe.scheme_advantages("branch eq4", [0, 1], trajs, {}, None, "8x1", 0.5, True, branch)
+    assert flat(A) == pytest.approx([0.25, 0.225, 0.1875, -0.25, -0.1875])
+    value = probe.scheme_advantages("branch value", [0, 1], trajs, {}, None, "8x1", 0.5, True, branch)
+    assert flat(value) == pytest.approx([0.5, 0.75, 0.25, -0.5, -0.5])       # R − V̂(h_t), V̂(h_0) subtracted too
+
+
+def test_question_sets_and_success_rate_bins_by_hand():
+    """Four questions × 2 samples: q0 (0, 0), q1 (1, 0), q2 (1, 1), q3 (0, 0); p̂ = V̂(h_0) of the root continuations
+    0, ½, 0.9, ¼. All fail: q0 (p̂ = 0) and q3 (0 < p̂ ≤ ¼); mixed: q1 (¼ < p̂ ≤ ½); all succeed: q2. Bin edges: the
+    upper end is in its bin."""
+    qs = env.synthetic_examples(4)
+    R = [(0, 0), (1, 0), (1, 1), (0, 0)]
+    trajs = [Script.make(q, ["Finish[x]"], float(r)) for q, rs in zip(qs, R) for r in rs]
+    p = [0.0, 0.5, 0.9, 0.25]
+    branch_full = [{"V": [p[i // 2]], "Q": [t.reward]} for i, t in enumerate(trajs)]
+    sets = probe.question_sets(trajs, branch_full, 4, 2)
+    assert sets["all fail"] == [0, 3] and sets["mixed"] == [1] and sets["all succeed"] == [2]
+    assert sets["all fail, p̂ = 0"] == [0] and sets["all fail, 0 < p̂ ≤ ¼"] == [3]
+    assert sets["all fail, ¼ < p̂ ≤ ½"] == [] and sets["mixed, ¼ < p̂ ≤ ½"] == [1] and sets["mixed, p̂ = 0"] == []
+    assert [probe.p_bin(x) for x in (0.0, 1 / 16, 0.25, 0.26, 0.5, 0.75, 1.0)] == \
+        ["p̂ = 0", "0 < p̂ ≤ ¼", "0 < p̂ ≤ ¼", "¼ < p̂ ≤ ½", "¼ < p̂ ≤ ½", "p̂ > ½", "p̂ > ½"]
+
+
+def test_the_sets_parts_of_a_batch_gradient_add_up_and_outcome_is_zero_where_a_group_all_fails():
+    """On a scripted pool (16 questions × 4 samples, random per-step gradients): the parts of every batch gradient
+    that the all-fail, mixed and all-succeed groups contribute add up to the whole (advantages computed on the whole
+    batch); outcome RL's part on the all-fail groups is exactly zero, so its inner product with the critic's there is
+    0; outcome's own `along` on the mixed groups ÷ itself is 1 on every draw; every set has its counts."""
+    g = torch.Generator().manual_seed(2)
+    qs = env.synthetic_examples(16)
+    plans = [["Search[a]", "Finish[x]"], ["Finish[y]"], ["Search[a]", "Search[b]", "Finish[x]"], ["Finish[z]"]]
+    rewards = [[0, 0, 0, 0], [1, 0, 0, 1], [1, 1, 1, 1], [0, 0, 0, 0]]
+    trajs = [Script.make(q, plans[(i + k) % 4], float(rewards[i % 4][k])) for i, q in enumerate(qs) for k in range(4)]
+    offsets = [r.start for r in env.step_ranges(trajs)]
+    grads = torch.randn(sum(len(t.steps) for t in trajs), 32, generator=g)
+    values = probe.mc_values(trajs)
+    noisy = [[[min(1.0, max(0.0, v + 0.2 * float(torch.randn(1, generator=g)))) for v in row] for row in values]
+             for _ in "ab"]
+    branch = {h: [{"V": V, "Q": V[1:] + [t.reward]} for V, t in zip(Vs, trajs)]
+              for h, Vs in (("a", noisy[0]), ("b", noisy[1]),
+                            ("full", [[(x + y) / 2 for x, y in zip(*rows)] for rows in zip(*noisy)]))}
+    scores = {"mu": [[0.1 * (k + 1) - 0.2 for k in range(len(t.steps))] for t in trajs]}
+    batches = probe.probe_batches(16, 4, "2x4")
+    sets = probe.question_sets(trajs, branch["full"], 16, 4)
+    assert (len(sets["all fail"]), len(sets["mixed"]), len(sets["all succeed"])) == (8, 4, 4)
+    for scheme in ("outcome", "mu eq4", "verdict mu", "branch eq4", "branch critic"):
+        common = (batches, grads, offsets, "2x4", trajs, scores, values, 0.5, True)
+        whole = probe.batch_gradients(scheme, *common, branch=branch["full"])
+        parts = [probe.batch_gradients(scheme, *common, branch=branch["full"],
+                                       keep={q * 4 + k for q in sets[name] for k in range(4)})
+                 for name in ("all fail", "mixed", "all succeed")]
+        torch.testing.assert_close(sum(parts), whole)
+        if scheme == "outcome":
+            assert float(parts[0].abs().max()) == 0.0
+    out = probe.allfail_stats(grads, offsets, trajs, scores, values, branch, "mu", 16, 4, 0.5, True, resamples=200)
+    row = {(r["set"], r["scheme"]): r for r in out["rows"]}
+    assert row[("all fail", "outcome")]["inner"] == 0.0 and row[("all fail", "outcome")]["inner_ci"] == [0.0, 0.0]
+    assert row[("mixed", "outcome")]["along_vs_outcome_mixed"] == pytest.approx(1.0)
+    assert row[("mixed", "outcome")]["along_vs_outcome_mixed_ci"] == pytest.approx([1.0, 1.0])
+    assert out["sets"]["all fail"] == {"questions": 8, "trajectories": 32,
+                                       "valid_steps": sum(len(trajs[q * 4 + k].steps) for q in sets["all fail"]
+                                                          for k in range(4))}
+    assert {s for s, _ in row} == {name for name, qs in sets.items() if qs}
+    assert out["auc"]["questions"] == 8 and out["auc"]["steps"] == out["sets"]["all fail"]["valid_steps"]
+
+
+def test_the_auc_for_a_noisy_sign_is_corrected_back_to_the_true_one():
+    """4,000 steps, true advantage ±1 (30% positive), μ's score N(0.8·y, 1): the AUC for the true sign is Φ(0.8/√2)
+    ≈ 0.71. Each half's estimate has its sign flipped with probability 0.2 (independently): the AUC against a half's
+    signs falls to ≈ 0.5 + κ·0.21; corrected (flip rate from the halves' agreement), it is the true AUC within 0.03.
+    By hand on six steps: halves that always agree give flip 0 and κ 1 (nothing to correct)."""
+    from evaluate import auc
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    y = (torch.rand(n, generator=g) < 0.3).double() * 2 - 1
+    s = (0.8 * (y > 0).double() + torch.randn(n, generator=g, dtype=torch.float64)).tolist()
+    flip = lambda: torch.where(torch.rand(n, generator=g) < 0.2, -1.0, 1.0).double()   # noqa: E731
+    a, b = (y * flip()).tolist(), (y * flip()).tolist()
+    out = probe.noisy_label_auc(s, a, b)
+    true = auc(s, (y > 0).tolist())
+    assert out["flip"] == pytest.approx(0.2, abs=0.03)
+    assert out["halves"] < true - 0.05
+    assert out["corrected"] == pytest.approx(true, abs=0.03)
+    clean = probe.noisy_label_auc([0.9, 0.8, 0.1, 0.2, 0.7, 0.3], [1, 1, -1, -1, 1, -1], [1, 1, -1, -1, 1, -1])
+    assert clean["flip"] == 0.0 and clean["kappa"] == pytest.approx(1.0) and clean["corrected"] == 1.0
+    assert clean["raw"] == 1.0 and clean["steps_signed"] == 6
