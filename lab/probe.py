@@ -45,6 +45,7 @@ import torch
 import arco
 import env
 import warmup
+from evaluate import auc
 from infra import models, passes
 from infra.data import DataError
 from infra.engines import loading
@@ -766,7 +767,6 @@ def noisy_label_auc(scores: Sequence[float], a: Sequence[float], b: Sequence[flo
     estimates left out) is 0.5 + κ (AUC − 0.5), κ = (purity of its positives) + (purity of its negatives) − 1,
     both from ε and the observed share of positives; so AUC = 0.5 + (measured − 0.5) / κ (None when κ < 0.1:
     labels too noisy to say). Also the AUC against the halves' mean (`raw`) and the counts."""
-    from evaluate import auc
     def measured(est):
         keep = [i for i, e in enumerate(est) if e != 0]
         return auc([scores[i] for i in keep], [est[i] > 0 for i in keep]), \
