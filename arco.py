@@ -23,11 +23,12 @@ One iteration (Alg. 1, lines 5–38) over a batch B:
     μ update: Eq. 5                          lines 36–38   rubric_update → rubric_loss
 
 The equations are small named functions (reward_to_go, step_buckets, bucketed_advantages, outcome_advantages,
-policy_loss, class_weights, decomposition_loss, rubric_loss), tested against hand-worked numbers that also live
-in `tests/vectors.json`, so a port to another framework can check itself.
+token_kl, reduce_tokens, policy_loss, class_weights, decomposition_loss, rubric_loss), tested against hand-worked
+numbers that also live in `tests/vectors.json`, so a port to another framework can check itself; `reference` is
+π_ref and μ_ref. Every engine's passes compute with them.
 
-Read top to bottom: the knobs (Args, each with its presets' values; those shared with warmup.py in
-infra/settings.py), the schedule, the equations, the one seam (step scorers and advantage estimators registered
+Read top to bottom: the knobs (Args, each with its presets' values; those it shares with warmup.py are declared in
+the script of their section: warmup.Settings, env.EnvSettings, rubric_model.MuSettings), the schedule, the equations, the one seam (step scorers and advantage estimators registered
 by name), one iteration, the run (Algorithm 1's outer loop), main. What runs a run — its folder, logs,
 checkpoints, --resume, Ctrl-C, the report — is in the package beneath (infra/), and so are the model passes and
 the split of a batch among torchrun's processes (`workers`, infra/parallel.py: in one process it hands back what it
@@ -35,6 +36,7 @@ is given). `--engine plain`: one forward per sequence, a plain sampling loop (th
 """
 from __future__ import annotations
 
+import importlib
 import math
 import random
 import sys
@@ -52,16 +54,18 @@ from infra.estimate import memory_estimate
 from infra.memory import MEMORY, peak_rss_gib, timed
 from infra.models import ModelLoadError, check_model_available, fresh_adapter, load_backbone_checkpoint, trainable_parameters
 from infra.parallel import ALONE, Workers
-from infra.passes import policy_act, policy_sequences, reduce_tokens, training_passes
-from infra.runs import CtrlC, NonFiniteLoss, RunFolder, bucket_means, check_finite, latest_checkpoint, trace_rows, update_line
-from infra.settings import Settings, fill_from_preset, from_preset, main_guard, parse_args, preset_table
+from infra.passes import policy_act, policy_sequences, training_passes
+from infra.runs import (CtrlC, NonFiniteLoss, RunFolder, check_finite, keep_scheme, latest_checkpoint, mu_at_work,
+                        trace_rows, update_line)
+from infra.settings import fill_from_preset, from_preset, main_guard, parse_args, preset_table
 from infra.warmups import eval_settings, sft_only
-from rubric_model import RubricModel, contexts_from_trajectory, mu_at_work
+from rubric_model import RubricModel, contexts_from_trajectory, mean_pool
 
 
 @dataclass
-class Args(Settings):
-    """arco.py's knobs: those it shares with warmup.py (infra.settings.Settings), then its own."""
+class Args(warmup.Settings):
+    """arco.py's knobs: those it shares with warmup.py (warmup.Settings: the data, device and engines, π's rollout
+    in env.py, μ's form in rubric_model.py, the warmup's), then Algorithm 1's own."""
     name: str = field(default="", metadata={"help": "run name under runs/<dataset>/ (default: from --reward/--rubric/--k)"})
     resume: bool = field(default=False, metadata={"help": "continue a killed run from its last finished epoch"})
     dry_run: bool = field(default=False, metadata={"help": "print the training schedule, the loss scales and the memory estimate, "
@@ -69,6 +73,16 @@ class Args(Settings):
     reward: str = field(default="arco", metadata={"help": "arco (μ's dense rewards after the sparse epochs) or "
                                                            "outcome (binary-EM REINFORCE throughout, no μ: Search-R1-style)",
                                                   "choices": ["arco", "outcome"]})
+    scorer: str | None = field(default=None, metadata={
+        "help": "the dense epochs' s_t: mu (μ, Alg. 1 lines 15–19: ARCO) or a step scorer a --plugin registers "
+                "(arco.register_scorer; then no μ is built). Unset: mu, or what the run (--resume) or its parent "
+                "(--init-from) ran with"})
+    estimator: str | None = field(default=None, metadata={
+        "help": "the advantages of Alg. 1 lines 26–32: arco (`advantages`) or an estimator a --plugin registers "
+                "(arco.register_estimator). Unset: arco, or as the run or its parent ran"})
+    plugin: list[str] | None = field(default=None, metadata={
+        "help": "modules imported first, which register scorers and estimators (e.g. lab.study: the mixed estimator, "
+                "the synthetic worlds' oracles). Unset: none, or as the run or its parent ran"})
     init_from: str = field(default="", metadata={"path": "dir", "help": "start from another run's checkpoint folder "
                                                                          "(its π, μ, optimizers and logs), e.g. "
                                                                          "runs/<dataset>/<run>/checkpoints/epoch_1"})
@@ -210,6 +224,19 @@ def bucketed_advantages(G: Sequence[Sequence[float]], buckets: Sequence[Sequence
     release's dense_bucket_fallback_to_global), a bucket holding one step takes the mean G of all
     the batch's valid steps as its baseline; Eq. 4 alone gives such a step advantage 0.
     """
+    sums, counts = bucket_sums(G, buckets, valid)
+    batch_mean = sum(sums.values()) / max(1, sum(counts.values()))
+
+    def baseline(b: str) -> float:
+        return batch_mean if singleton_fallback and counts[b] == 1 else sums[b] / counts[b]
+    return [[alpha * (g - baseline(b)) if ok else 0.0 for g, b, ok in zip(g_tau, b_tau, v_tau)]
+            for g_tau, b_tau, v_tau in zip(G, buckets, valid)]
+
+
+def bucket_sums(G: Sequence[Sequence[float]], buckets: Sequence[Sequence[str | None]],
+                valid: Sequence[Sequence[bool]]) -> tuple[dict[str, float], dict[str, int]]:
+    """Eq. 4's I_b over a batch: the sum of G over the valid steps in bucket b, and their count |I_b| (so
+    Ḡ_{B,b} = sum / count; the log keeps these means)."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     for g_tau, b_tau, v_tau in zip(G, buckets, valid):
@@ -217,12 +244,7 @@ def bucketed_advantages(G: Sequence[Sequence[float]], buckets: Sequence[Sequence
             if ok:
                 sums[b] = sums.get(b, 0.0) + g
                 counts[b] = counts.get(b, 0) + 1
-    batch_mean = sum(sums.values()) / max(1, sum(counts.values()))
-
-    def baseline(b: str) -> float:
-        return batch_mean if singleton_fallback and counts[b] == 1 else sums[b] / counts[b]
-    return [[alpha * (g - baseline(b)) if ok else 0.0 for g, b, ok in zip(g_tau, b_tau, v_tau)]
-            for g_tau, b_tau, v_tau in zip(G, buckets, valid)]
+    return sums, counts
 
 
 def outcome_advantages(R: Sequence[float], groups: Sequence | None = None) -> list[float]:
@@ -238,6 +260,29 @@ def outcome_advantages(R: Sequence[float], groups: Sequence | None = None) -> li
         n, acc = total.get(key, (0, 0.0))
         total[key] = (n + 1, acc + float(r))
     return [float(r) - total[key][1] / total[key][0] for key, r in zip(keys, R)]
+
+
+def token_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """The token-level KL of Eq. 3 (π to π_ref) and Eq. 5 (μ to μ_ref) at each position: KL(p_θ ‖ p_ref) =
+    Σ_v p_θ(v) (log p_θ(v) − log p_ref(v)), exact over the vocabulary, from the two log-softmaxes [..., V] → [...].
+    The direction the paper writes (the release computes KL(p_ref ‖ p_θ)); every engine's passes call this
+    function (training_passes' `kl`)."""
+    return (logp.exp() * (logp - ref_logp)).sum(-1)
+
+
+def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """One number per step from a per-token quantity [B, R] (zero at padding): the sum over the step's tokens (the
+    paper's Σ_i in Eq. 3 and 5) or their mean (the release; --token-reduction). → [B]."""
+    total = (per_token * mask).sum(-1)
+    return total if how == "sum" else total / mask.sum(-1).clamp_min(1)
+
+
+def reference(bb):
+    """π_ref and μ_ref (§3.2; Eq. 3's and Eq. 5's KL): the frozen SFT model each starts RL from. start_from merged
+    the SFT adapter into the weights and trains a fresh LoRA on top, so the reference is the same module with that
+    adapter disabled — no copy of a weight. The passes compute p_ref inside this context (training_passes'
+    `reference`)."""
+    return bb.model.disable_adapter()
 
 
 def policy_loss(logp: torch.Tensor, advantages: torch.Tensor, n_trajectories: int,
@@ -299,53 +344,76 @@ def rubric_loss(s: torch.Tensor, trajectory: torch.Tensor, R: torch.Tensor,
 
 
 # --- The one seam: step scorers and advantage estimators, registered by name (verl's pattern) ----------------------
-# ARCO is Credit() (μ's step scores, the estimator below); an analysis beyond the paper (the lab's oracles and its
-# mixed arm) registers its own function under a name and runs Algorithm 1 with it: run(args, Credit(...)).
+# ARCO is --scorer mu --estimator arco (μ's step scores, the estimator `advantages` below). An analysis beyond the
+# paper (the lab's oracles and its mixed arm) registers its own function under a name, in a module --plugin imports,
+# and runs Algorithm 1 with it: python arco.py --plugin lab.study --estimator mixed. The run's args.json keeps the
+# three, and --resume keeps them (infra.runs.keep_scheme).
+
+@dataclass
+class CreditBatch:
+    """What an advantage estimator receives (Alg. 1, lines 26–32)."""
+    trajs: list                         # the batch B (env.Trajectory: its steps, their validity, R(τ))
+    s: torch.Tensor | None              # s_t of every step, flat in trajectory order (μ's or a scorer's); None: neither
+    dense: bool                         # epoch ≥ η (Alg. 1, line 4)
+    args: "Args"                        # the run's settings (α, --sparse-baseline, --bucket-fallback, ...)
+
+
+@dataclass
+class Advantages:
+    """What an advantage estimator returns: A_{τ,t} for every step (0 outside V_τ), and for the log of a dense update
+    Eq. 3–4's intermediates (each step's G_t and bucket in the traces, Ḡ_{B,b} in the update's row)."""
+    A: list[list[float]]
+    G: list[list[float]] | None = None
+    buckets: list[list[str | None]] | None = None
+    mean_G_per_bucket: dict[str, float] | None = None
+
 
 StepScorer = Callable[[list], torch.Tensor]
 """(the batch's trajectories) → s_t of every step, flat in trajectory order, in place of μ's (lines 15–19)."""
-Estimator = Callable[[list, "torch.Tensor | None", bool, "Args"], "tuple[list[list[float]], dict]"]
-"""(trajectories, s_t or None, dense?, args) → (A_{τ,t} per step, 0 outside V_τ; what the log keeps): lines 26–32."""
+Estimator = Callable[[CreditBatch], Advantages]
+"""A CreditBatch → its Advantages: lines 26–32."""
 SCORERS: dict[str, StepScorer] = {}
 ESTIMATORS: dict[str, Estimator] = {}
 
 
-def register_scorer(name: str) -> Callable[[StepScorer], StepScorer]:
-    """@register_scorer("name"): a StepScorer that Credit(scorer="name") uses instead of μ (no μ is built)."""
-    def add(fn: StepScorer) -> StepScorer:
-        SCORERS[name] = fn
+def register(table: dict, kind: str, name: str) -> Callable:
+    def add(fn):
+        if name in table or (table is SCORERS and name == "mu"):
+            raise ValueError(f"{kind} {name!r} is registered already ({getattr(table.get(name), '__qualname__', 'μ')}): "
+                             f"choose another name")
+        table[name] = fn
         return fn
     return add
+
+
+def register_scorer(name: str) -> Callable[[StepScorer], StepScorer]:
+    """@register_scorer("name"): a StepScorer that --scorer name uses instead of μ (no μ is built); a taken name is
+    refused."""
+    return register(SCORERS, "a step scorer named", name)
 
 
 def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
-    """@register_estimator("name"): an Estimator that Credit(estimator="name") uses for lines 26–32."""
-    def add(fn: Estimator) -> Estimator:
-        ESTIMATORS[name] = fn
-        return fn
-    return add
+    """@register_estimator("name"): an Estimator that --estimator name uses for lines 26–32; a taken name is refused."""
+    return register(ESTIMATORS, "an advantage estimator named", name)
 
 
-@dataclass
-class Credit:
-    """Where a run's step scores and advantages come from: `scorer` "mu" is μ (Alg. 1, lines 15–19: μ is built,
-    writes and scores, and co-evolves by Eq. 5), any other a name in SCORERS (and then the run has no μ);
-    `estimator` a name in ESTIMATORS ("arco": `advantages`, lines 26–32)."""
-    scorer: str = "mu"
-    estimator: str = "arco"
-
-    def check(self) -> None:
-        if self.scorer != "mu" and self.scorer not in SCORERS:
-            raise DataError(f"no step scorer named {self.scorer!r} (registered: mu, {', '.join(SCORERS) or 'none'})")
-        if self.estimator not in ESTIMATORS:
-            raise DataError(f"no advantage estimator named {self.estimator!r} (registered: {', '.join(ESTIMATORS)})")
+def check_scheme(args: Args) -> None:
+    """The run's --plugin modules imported (they register their names), then --scorer and --estimator looked up."""
+    for module in args.plugin:
+        importlib.import_module(module)
+    if args.scorer != "mu" and args.scorer not in SCORERS:
+        raise DataError(f"no step scorer named {args.scorer!r} (registered: mu, {', '.join(SCORERS) or 'none'}; "
+                        f"a --plugin module registers others)")
+    if args.estimator not in ESTIMATORS:
+        raise DataError(f"no advantage estimator named {args.estimator!r} (registered: {', '.join(ESTIMATORS)}; a "
+                        f"--plugin module registers others)")
 
 
 @dataclass
 class Update:
     """What a logging hook (run's `hooks`) sees after an update, before its row is logged (it may add to the row):
-    the update's place, its trajectories, μ's rubrics, d_t and s_t (or a scorer's s_t), the advantages and their
-    info, and π after the update (the lab evaluates it for its learning curves)."""
+    the update's place, its trajectories, μ's rubrics, d_t and s_t (or a scorer's s_t), the advantages, and π after
+    the update (the lab evaluates it for its learning curves)."""
     row: dict
     epoch: int
     batch: int
@@ -354,8 +422,7 @@ class Update:
     rubrics: list | None
     d: torch.Tensor | None
     s: torch.Tensor | None
-    A: list
-    info: dict
+    adv: Advantages
     pi: object
 
 
@@ -399,19 +466,19 @@ def annotate(mu: RubricModel, trajs, args: Args, workers: Workers = ALONE) -> tu
 
 
 @register_estimator("arco")
-def advantages(trajs, s: torch.Tensor | None, dense: bool, args: Args) -> tuple[list[list[float]], dict]:
+def advantages(batch: CreditBatch) -> Advantages:
     """Alg. 1, lines 26–32: per-step advantages; 0 on invalid steps (outside V_τ)."""
+    trajs, args = batch.trajs, batch.args
     valid = [[st.valid for st in t.steps] for t in trajs]
-    info: dict = {}
     groups = [(t.example.dataset, t.example.id) for t in trajs] if args.sparse_baseline == "group" else None
     A_tau = outcome_advantages([t.reward for t in trajs], groups)                                  # line 31
-    if not dense:
-        return [[a if ok else 0.0 for ok in v] for a, v in zip(A_tau, valid)], info
-    G = [reward_to_go(s[r.start:r.stop].tolist()) for r in env.step_ranges(trajs)]  # line 28, Eq. 3
+    if not batch.dense:
+        return Advantages([[a if ok else 0.0 for ok in v] for a, v in zip(A_tau, valid)])
+    G = [reward_to_go(batch.s[r.start:r.stop].tolist()) for r in env.step_ranges(trajs)]  # line 28, Eq. 3
     buckets = [step_buckets([st.action for st in t.steps], v) for t, v in zip(trajs, valid)]
     A = bucketed_advantages(G, buckets, valid, args.alpha, args.bucket_fallback)   # line 29, Eq. 4
-    info = {"G": G, "buckets": buckets, "mean_G_per_bucket": bucket_means(G, buckets, valid)}
-    return A, info
+    sums, counts = bucket_sums(G, buckets, valid)
+    return Advantages(A, G, buckets, {b: sums[b] / counts[b] for b in sums})
 
 
 def gradient_step(optimizer, what: str, workers: Workers, *totals: float, step: bool = True) -> list[float]:
@@ -451,13 +518,16 @@ def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_pi:
     pi.model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_sum = kl_sum = 0.0
-    for p in training_passes(pi, seqs, lens, bool(kl_pi), args.pass_tokens, workers.own([[i] for i in range(len(seqs))]),
-                             temperature=log_pi_temperature(args)):       # log π(a_t|h_t) at T, and its KL
+    passes = training_passes(pi, seqs, lens, args.pass_tokens, workers.own([[i] for i in range(len(seqs))]),
+                             temperature=log_pi_temperature(args),        # log π(a_t|h_t) at T, and the KL
+                             kl=token_kl if kl_pi else None, reference=reference if kl_pi else None)
+    for p in passes:
         kl = reduce_tokens(p.kl, p.mask, args.token_reduction) if kl_pi else None     # KL_t(π ‖ π_ref)
         loss = policy_loss(p.logprobs.sum(-1), adv[p.index].to(p.logprobs.device), len(trajs), kl, kl_pi)  # Eq. 3
         loss.backward()
         loss_sum += float(loss.detach())
         kl_sum += float(p.kl.detach().sum()) if kl_pi else 0.0
+    passes.backward_shared()                     # the fast engine: the shared prompt's gradients, through it once
     loss_sum, kl_sum = gradient_step(optimizer, "policy (Eq. 3)", workers, loss_sum, kl_sum, step=n_valid > 0)
     pi.model.eval()
     return {"policy_loss": loss_sum, "kl_pi": kl_sum / max(sum(lens), 1), "policy_steps": n_valid}
@@ -477,25 +547,29 @@ def rubric_update(mu: RubricModel, optimizer, trajs, contexts, rubrics, args: Ar
     mu.train()
     optimizer.zero_grad(set_to_none=True)
     loss_sum = mse = kl_sum = 0.0
-    for p in training_passes(mu.backbone, seqs, lens, use_kl, args.pass_tokens, units):
-        s = mu.step_scores(p.pooled).s.float().cpu()                                                  # Eq. 2
+    passes = training_passes(mu.backbone, seqs, lens, args.pass_tokens, units, kl=token_kl if use_kl else None,
+                             reference=reference if use_kl else None, hidden=True)
+    for p in passes:
+        s = mu.step_scores(mean_pool(p.hidden, p.hidden_mask)).s.float().cpu()                      # Eq. 2
         kl = reduce_tokens(p.kl, p.mask, args.token_reduction).float().cpu() if use_kl else None   # KL_t(μ ‖ μ_ref)
         loss = rubric_loss(s, of[p.index], R, kl, args.kl_mu, kl_divisor, len(trajs), w)             # Eq. 5
         loss.backward()
         loss_sum += float(loss.detach())
         mse += float(decomposition_loss(s.detach(), of[p.index], R, len(trajs)))
         kl_sum += float(p.kl.detach().sum()) if use_kl else 0.0
+    passes.backward_shared()                     # the fast engine: the shared prompt's gradients, through it once
     loss_sum, mse, kl_sum = gradient_step(optimizer, "rubric-model (Eq. 5)", workers, loss_sum, mse, kl_sum)
     mu.eval()
-    with torch.no_grad():       # for the log: the same trajectories' decomposition error after the step (no LM head)
-        after = sum(float(decomposition_loss(mu.step_scores(p.pooled).s.float().cpu(), of[p.index], R, len(trajs)))
-                    for p in training_passes(mu.backbone, seqs, [0] * len(seqs), False, args.pass_tokens, units))
-    return {"rubric_loss": loss_sum, "decomposition_mse": mse, "decomposition_mse_after": workers.total(after)[0],
-            "kl_mu": kl_sum / max(sum(lens), 1)}
+    out = {"rubric_loss": loss_sum, "decomposition_mse": mse, "kl_mu": kl_sum / max(sum(lens), 1)}
+    with timed(out, "mu_after"), torch.no_grad():   # for the log only: the error after the step, one more forward
+        after = sum(float(decomposition_loss(mu.step_scores(mean_pool(p.hidden, p.hidden_mask)).s.float().cpu(),
+                                             of[p.index], R, len(trajs)))                  # (no LM head)
+                    for p in training_passes(mu.backbone, seqs, [0] * len(seqs), args.pass_tokens, units, hidden=True))
+    return {**out, "decomposition_mse_after": workers.total(after)[0]}
 
 
 def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, batches: int, phase: dict, args: Args, retriever,
-              credit: Credit, workers: Workers = ALONE) -> Update:
+              workers: Workers = ALONE) -> Update:
     """One iteration of Algorithm 1 (lines 5–38) on batch b of an epoch's `batches`, in the epoch's `phase` (an
     epoch_plan entry: sparse or dense, λ_π); its log row is Update.row."""
     row: dict = {"kind": "update", "epoch": epoch, "batch": b, "dense": phase["dense"]}
@@ -506,11 +580,11 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, batches: int, p
     if mu is not None:
         with timed(row, "mu_annotate"):
             contexts, rubrics, d, s = annotate(mu, trajs, args, workers)                         # lines 15–19
-    elif credit.scorer != "mu":
-        s = SCORERS[credit.scorer](trajs)        # a registered scorer's step scores in place of μ's (no μ)
-    A, info = ESTIMATORS[credit.estimator](trajs, s, phase["dense"], args)                       # lines 26–32
+    elif args.scorer != "mu":
+        s = SCORERS[args.scorer](trajs)          # a registered scorer's step scores in place of μ's (no μ)
+    adv = ESTIMATORS[args.estimator](CreditBatch(trajs, s, phase["dense"], args))                  # lines 26–32
     with timed(row, "pi_update"):
-        row.update(policy_update(pi, opt_pi, trajs, A, args, phase["kl_pi"], workers))            # lines 33–35
+        row.update(policy_update(pi, opt_pi, trajs, adv.A, args, phase["kl_pi"], workers))        # lines 33–35
     if mu is not None:
         with timed(row, "mu_update"):
             row.update(rubric_update(mu, opt_mu, trajs, contexts, rubrics, args, workers))         # lines 36–38
@@ -518,9 +592,9 @@ def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, batches: int, p
     row.update(trajectories=len(trajs), questions=len(batch), mean_R=sum(t.reward for t in trajs) / len(trajs),
                invalid_rate=sum(not st.valid for st in steps) / len(steps),
                mean_s=float(s.mean()) if s is not None else None,
-               mean_G_per_bucket=info.get("mean_G_per_bucket"), peak_rss_gib=peak_rss_gib(),
+               mean_G_per_bucket=adv.mean_G_per_bucket, peak_rss_gib=peak_rss_gib(),
                **mu_at_work(mu, trajs, contexts, rubrics, s))
-    return Update(row, epoch, b, batches, trajs, rubrics, d, s, A, info, pi)
+    return Update(row, epoch, b, batches, trajs, rubrics, d, s, adv, pi)
 
 
 # --- The run: Algorithm 1 from the warmup to the selected checkpoint (line 1, the evaluations, the outer loop) ----
@@ -575,15 +649,16 @@ def resume_at(checkpoint: Path, folder: RunFolder, args: Args, with_mu: bool) ->
     return (pi, mu, opt_pi, opt_mu, *folder.resume(checkpoint, opt_pi, opt_mu))
 
 
-def run(args: Args, credit: Credit | None = None, hooks: Sequence[Hook] = (), workers: Workers | None = None) -> Path:
-    """Algorithm 1 end to end, the warmup first where it is missing; returns the run folder. `credit`: where the
-    step scores and advantages come from (ARCO's own by default); `hooks`: what an analysis logs after each
-    update (Update); `workers`: torchrun's processes (one by default)."""
-    credit, workers = credit or Credit(), workers or Workers()
-    credit.check()
-    with_mu = args.reward == "arco" and credit.scorer == "mu"       # outcome RL and a registered scorer: no μ
-    if credit.scorer != "mu" and workers.main:
-        print(f"[arco] step scores from {credit.scorer!r} (a registered scorer): no μ is built", flush=True)
+def run(args: Args, hooks: Sequence[Hook] = (), workers: Workers | None = None) -> Path:
+    """Algorithm 1 end to end, the warmup first where it is missing; returns the run folder. Where the step scores and
+    advantages come from is args' --scorer and --estimator (ARCO's own by default); `hooks`: what an analysis logs
+    after each update (Update); `workers`: torchrun's processes (one by default)."""
+    workers = workers or Workers()
+    keep_scheme(args)                    # plumbing: --resume (--init-from) keeps its run's (parent's) scorer, estimator
+    check_scheme(args)
+    with_mu = args.reward == "arco" and args.scorer == "mu"          # outcome RL and a registered scorer: no μ
+    if args.scorer != "mu" and workers.main:
+        print(f"[arco] step scores from {args.scorer!r} (a registered scorer): no μ is built", flush=True)
     folder = RunFolder(args, workers)                                # plumbing: a new folder, or --resume's
     warm = workers.first(lambda: warmup.ensure(args, with_mu))       # §3.2, App. B: π_sft and μ_sft
     train = env.training_questions(args.dataset, args.data_dir or None, args.train_size, args.seed,   # D
@@ -612,10 +687,10 @@ def run(args: Args, credit: Credit | None = None, hooks: Sequence[Hook] = (), wo
                 desc = f"epoch {epoch} ({'dense' if phase['dense'] else 'sparse'})"
                 for b in folder.progress(range(first, len(batches)), desc):
                     u = iteration(pi, mu, opt_pi, opt_mu, batches[b], epoch, b, len(batches), phase, args, retriever,
-                                  credit, workers)                                             # lines 5–38
+                                  workers)                                                     # lines 5–38
                     for hook in hooks:                   # an analysis's own log (the lab's statistics, curves)
                         hook(u)
-                    folder.log_update(u.row, trace_rows(u.trajs, epoch, b, u.rubrics, u.d, u.s, u.A, u.info))
+                    folder.log_update(u.row, trace_rows(u.trajs, epoch, b, u.rubrics, u.d, u.s, u.adv))
                     folder.show(update_line(u.row, epoch, b))
                     if ctrl_c.agreed() and b + 1 < len(batches):
                         ctrl_c.stop(pi, mu, opt_pi, opt_mu, epoch, history, b + 1)

@@ -4,7 +4,7 @@ prompt, the rollout and greedy evaluation.
 Paper: §4.1 ("Agent environment") and Algorithm 1, lines 7–14 (the rollout) and 20–23 (Finish ends a trajectory;
 R(τ) = EM(submitted answer, gold answer)).
 
-Top to bottom: 1. the questions: `Example`, the HotpotQA distractor reader (2WikiMultiHopQA and our synthetic
+Top to bottom: the knobs (EnvSettings); 1. the questions: `Example`, the HotpotQA distractor reader (2WikiMultiHopQA and our synthetic
 worlds share its layout; MuSiQue's own reader and the data files are infra/data.py's) and Alg. 1's training set D;
 2. the retriever (top-1 paragraph among the question's own); 3. the action parser and π's prompt; 4. the batched
 rollout `rollout(examples, act, retriever)` and greedy evaluation.
@@ -24,6 +24,22 @@ from typing import Callable, Sequence
 from evaluate import exact_match, f1_score
 from infra.data import (GENERATED, DataError, find_data_file, musique_fields, read_records, require, sample,
                         synthetic_records)
+from infra.settings import from_preset
+
+
+@dataclass
+class EnvSettings:
+    """The environment's and π's rollout knobs (§4.1), each with its presets' values (infra.settings.from_preset);
+    warmup.Settings and arco.Args take them."""
+    retriever: str | None = from_preset(paper="princeton-nlp/unsup-simcse-roberta-base", cpu="",
+                                        help="encoder of the top-1 retriever: '' = the embedded all-MiniLM-L6-v2, or "
+                                             "an HF id/folder (paper: SimCSE)")
+    retriever_pooling: str | None = from_preset(paper="cls", cpu="mean", choices=["mean", "cls"],
+                                                help="mean (MiniLM) or cls (SimCSE)")
+    obs_chars: int | None = from_preset(paper=0, cpu=300, help="observation cut, characters (0 = the whole paragraph)")
+    max_searches: int | None = field(default=None, metadata={"min": 1, "help": "search budget (default: 3, MuSiQue 6)"})
+    rollout_temperature: float | None = from_preset(paper=0.7, cpu=0.7, help="π's sampling temperature (release 0.7)")
+    max_new_tokens_pi: int | None = from_preset(paper=64, cpu=32, min=1, help="π's max new tokens per action (64)")
 
 
 

@@ -1,6 +1,5 @@
-"""Answer metrics for multi-hop QA, with the official HotpotQA semantics, the scoring of a file of
-predictions (paper §4.1), and the AUC the run's log and the studies report. Run comparisons and the
-diagnostics of μ are the lab's (lab/diagnostics.py).
+"""Answer metrics for multi-hop QA, with the official HotpotQA semantics, and the scoring of a file of predictions
+(paper §4.1). Run comparisons and the diagnostics of μ are the lab's (lab/diagnostics.py).
 
 Paper: §4.1 reports Exact Match (EM) and token-level F1 on every dataset; Algorithm 1,
 line 23 uses EM as the trajectory reward R(τ) ∈ {0, 1}. Both metrics are computed here
@@ -19,17 +18,24 @@ paper's tables:
 Where a question has several gold answers (aliases, e.g. MuSiQue's `answer_aliases`),
 each metric is the maximum over them.
 
-`python -m lab.diagnostics --predictions preds.jsonl --dataset hotpotqa [--split dev]` scores a file of {"id",
-"answer"} lines (report_predictions: a table overall and per question type, then the JSON). Imports nothing of the
-project.
+    python evaluate.py preds.jsonl ../shared/data/hotpotqa/dev.jsonl     # EM/F1 of a file of {"id", "answer"} lines
+    python evaluate.py preds.jsonl --dataset hotpotqa [--split dev]      # the same, the gold file found as arco.py finds it
+
+Reading the two files is the package's (infra/files.py, infra/data.py); the lab's diagnostics go further.
 """
+import argparse
 import json
 import re
 import string
 import sys
-import typing
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from infra.data import GENERATED, DataError, find_data_file, gold_answers
+from infra.files import PredictionError, read_predictions
+from infra.report import format_table
+from infra.settings import DATASETS, main_guard
 
 
 # --------------------------------------------------------------------------- metrics
@@ -124,121 +130,32 @@ def score_predictions(predictions: dict[str, str], examples: Iterable[Any]) -> d
     return result
 
 
-def format_table(rows: list[dict], columns: Sequence[str]) -> str:
-    """A markdown table of `rows`, one column per key in `columns`; floats get 2 decimals."""
-    def cell(v: Any) -> str:
-        text = f"{v:.2f}" if isinstance(v, float) else ("" if v is None else str(v))
-        return text.replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- predictions file
-class PredictionError(ValueError):
-    """A predictions file that cannot be scored; the message names the file and line."""
-
-
-def _parse_line(raw: bytes) -> tuple[str, str] | None:
-    """(id, answer) of one predictions line, None for a blank one; ValueError if bad."""
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError("not UTF-8 text") from None
-    if not line.strip():
-        return None
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg}, column {e.colno})") from None
-    if not isinstance(record, dict):
-        raise ValueError(f'expected a JSON object {{"id": ..., "answer": ...}}, got {type(record).__name__}')
-    for key in ("id", "answer"):
-        if key not in record:
-            raise ValueError(f"missing field {key!r}")
-        if not isinstance(record[key], str):
-            raise ValueError(f"field {key!r} must be a string, got {json.dumps(record[key])}")
-    return record["id"], record["answer"]
-
-
-def read_predictions(path: str, known_ids: typing.Container[str] | None = None,
-                     source: str = "the dataset") -> dict[str, str]:
-    """Read a JSONL file of {"id": ..., "answer": ...} objects into {id: answer}.
-
-    Blank lines are skipped; other fields are ignored. Raises PredictionError, with a
-    message 'FILE:LINE: what is wrong', on the first line that is not valid UTF-8 JSON,
-    not an object, lacks "id" or "answer", has a non-string id or answer, repeats an
-    earlier id, or (when `known_ids` is given) names an id not in `source`.
-    """
-    try:
-        with open(path, "rb") as f:
-            raw_lines = f.read().split(b"\n")
-    except OSError as e:
-        raise PredictionError(f"{path}: cannot read predictions ({e.strerror})") from None
-    predictions: dict[str, str] = {}
-    first_line: dict[str, int] = {}
-    for lineno, raw in enumerate(raw_lines, 1):
-        try:
-            parsed = _parse_line(raw)
-            if parsed is None:
-                continue
-            pid, answer = parsed
-            if pid in first_line:
-                raise ValueError(f"duplicate id {pid!r} (first on line {first_line[pid]})")
-            if known_ids is not None and pid not in known_ids:
-                raise ValueError(f"unknown id {pid!r} (not in {source})")
-        except ValueError as e:
-            raise PredictionError(f"{path}:{lineno}: {e}") from None
-        first_line[pid] = lineno
-        predictions[pid] = answer
-    return predictions
-
-
-def average_ranks(values: Sequence[float]) -> list[float]:
-    """1-based ranks of `values`; tied values share the mean of the ranks they span."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1  # positions i..j hold ranks i+1..j+1
-        i = j + 1
-    return ranks
-
-
-def auc(scores: Sequence[float], labels: Sequence[bool | int]) -> float | None:
-    """ROC AUC: the probability that a random positive scores above a random negative, a tie
-    counting 1/2 (the Mann–Whitney U / (n_pos · n_neg), from average ranks). None when either
-    class is empty. Issue 6: μ's s_t separating useful from useless steps."""
-    if len(scores) != len(labels):
-        raise ValueError(f"auc: {len(scores)} scores but {len(labels)} labels")
-    pos = [bool(y) for y in labels]
-    n_pos, n_neg = sum(pos), len(pos) - sum(pos)
-    if n_pos == 0 or n_neg == 0:
-        return None
-    rank_sum = sum(r for r, p in zip(average_ranks(scores), pos) if p)
-    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
-
-
-def report_predictions(path: str, examples: Sequence, source: str) -> int:
-    """`python -m lab.diagnostics --predictions FILE --dataset NAME`: score a predictions file against `examples` (the
-    split env.py loaded), print the markdown table (overall, then per question type) and the JSON; returns
-    the exit status (2 with the file's first error on stderr)."""
-    try:
-        predictions = read_predictions(path, {ex.id for ex in examples}, source)
-    except PredictionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    result = score_predictions(predictions, examples)
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python evaluate.py PREDICTIONS GOLD` (or `--dataset NAME [--split dev]` for GOLD): EM and F1 of a predictions
+    file against a gold file, over the gold questions that have a prediction (the others counted as missing),
+    overall and per question type: a markdown table, then the JSON."""
+    parser = argparse.ArgumentParser(prog="python evaluate.py", description=main.__doc__)
+    parser.add_argument("predictions", help='a JSONL file of {"id": ..., "answer": ...} lines')
+    parser.add_argument("gold", nargs="?", help="the gold questions: a data file in its official layout (HotpotQA, "
+                                                "2WikiMultiHopQA, MuSiQue; JSON or JSONL)")
+    parser.add_argument("--dataset", choices=[d for d in DATASETS if d not in GENERATED], help="instead of GOLD: the dataset's file, looked for in "
+                                                            "--data-dir, then $ARCO_DATA_DIR")
+    parser.add_argument("--split", default="dev", choices=["train", "dev"], help="with --dataset (default dev)")
+    parser.add_argument("--data-dir", default="", help="with --dataset: the folder holding <dataset>/<split>.jsonl")
+    args = parser.parse_args(argv)
+    if (args.gold is None) == (args.dataset is None):
+        parser.error("give a GOLD file or --dataset, one of the two")
+    path = Path(args.gold) if args.gold else find_data_file(args.dataset, args.split, args.data_dir or None)
+    gold = gold_answers(path)
+    result = score_predictions(read_predictions(args.predictions, {g.id for g in gold}, str(path)), gold)
     if result["missing"]:
-        print(f"warning: {result['missing']} of {len(examples)} examples in {source} have no "
-              f"prediction; scores are over the {result['n']} predicted", file=sys.stderr)
-    rows = [{"type": "all", **result}] + [{"type": t, **s} for t, s in result["by_type"].items()]
+        print(f"warning: {result['missing']} of {len(gold)} questions in {path} have no prediction; the scores are "
+              f"over the {result['n']} predicted", file=sys.stderr)
+    rows = [{"type": "all", **result}] + [{"type": t, **r} for t, r in result["by_type"].items()]
     print(format_table(rows, ["type", "n", "em", "f1"]))
     print()
     print(json.dumps(result, indent=2))
-    return 0
+
+
+if __name__ == "__main__":
+    main_guard(main, DataError, PredictionError)

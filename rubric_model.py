@@ -3,11 +3,11 @@ a step (q, h_t, a_t); the score head g_φ reads the mean-pooled last hidden stat
 (q, h_t, a_t, r_t) and returns d_t ∈ [−1, 1]^K, and s_t = mean_j d_{t,j}. μ's losses live with the algorithm:
 Eq. 5 in arco.py, Eq. 7 in warmup.py.
 
-Top to bottom: 1. Eq. 2's two pieces, `mean_pool` and the tanh `ScoreHead`; 2. μ's prompts (ours, after
+Top to bottom: μ's knobs (MuSettings); 1. Eq. 2's two pieces, `mean_pool` and the tanh `ScoreHead`; 2. μ's prompts (ours, after
 Appendix D) and the paper's variants (Table 2: adaptive, prefix-free, static, none); 3. the K criteria: how μ
 writes them (a JSON list, or the `slots` frame whose numbers and line breaks the decoder writes) and how they are
-read back; 4. `RubricModel`: annotate (write r_t, then d_t and s_t), score, save and load; 5. μ at work, the
-numbers an update logs. The backbone and its passes (loading, LoRA, generation, log-probs) are the package's:
+read back; 4. `RubricModel`: annotate (write r_t, then d_t and s_t), score, save and load. What an update logs of
+μ is infra/runs.py's (mu_at_work). The backbone and its passes (loading, LoRA, generation, log-probs) are the package's:
 infra/models.py, infra/passes.py.
 
     python -m lab.benchmark sample               # an untrained μ writes and scores a rubric for a sample step
@@ -26,12 +26,33 @@ import torch
 from torch import nn
 
 import env
-from evaluate import auc
 from infra.files import write_manifest
 from infra.models import Backbone, fresh_adapter, load_backbone_checkpoint, save_backbone, trainable_parameters
 from infra.passes import (chat_prompt_ids, encode_response, end_of_reply, engine_of, last_hidden_states,
                           length_batches, pad_right)
-from infra.settings import RUBRIC_FORMATS, RUBRIC_MODES
+from infra.settings import from_preset
+
+RUBRIC_MODES = ("adaptive", "prefix-free", "static", "none")   # μ's variants (§3.1, Table 2): ARCO, w/o Prefix, ...
+RUBRIC_FORMATS = ("json", "slots")                             # how μ writes its K criteria (SlotFrame)
+
+
+@dataclass
+class MuSettings:
+    """μ's knobs (§3.1), each with its presets' values (infra.settings.from_preset); warmup.Settings and arco.Args
+    take them."""
+    rubric: str = field(default="adaptive", metadata={"help": "μ variant (Table 2): adaptive, prefix-free (w/o Prefix), "
+                                                               "static (w/o Adaptive), none (w/o Rubric)",
+                                                       "choices": list(RUBRIC_MODES)})
+    k: int = field(default=3, metadata={"min": 1, "max": 9, "help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
+    rubric_format: str | None = from_preset(paper="json", cpu="slots", choices=list(RUBRIC_FORMATS),
+                                            help="how μ writes its K criteria: json (a JSON list μ must close itself; "
+                                                 "release) or slots (K numbered lines whose numbers and line breaks "
+                                                 "the decoder writes: K criteria by construction); saved with μ")
+    mu_examples: int | None = from_preset(paper=0, cpu=0, max=2,
+                                          help="worked examples in μ's rubric prompt, 0-2 (~200 tokens per step each)")
+    rubric_temperature: float | None = from_preset(paper=0.0, cpu=0.0, help="μ's temperature for r_t: 0 = greedy "
+                                                   "(release); the paper writes r_t ~ p_θ")
+    max_new_tokens_mu: int | None = from_preset(paper=128, cpu=64, min=1, help="μ's max new tokens per rubric (128)")
 
 
 
@@ -221,14 +242,6 @@ def rubric_text(criteria: Sequence[str], fmt: str) -> str:
 
 def one_line(text: str) -> str:
     return " ".join(str(text).split())
-
-
-def copied_from_prompt(criterion: str, prompt: str) -> bool:
-    """Is a criterion a piece of μ's own prompt copied verbatim (a line such as "Searches left: 1", an entity
-    name of the question, the first words of an observation)? Compared case- and space-insensitively, trailing
-    punctuation aside; an empty criterion is no copy (it counts against K criteria instead)."""
-    c = one_line(criterion).lower().rstrip(" .,;:")
-    return bool(c) and c in one_line(prompt).lower()
 
 
 class SlotFrame:
@@ -474,8 +487,12 @@ class RubricModel:
             return rubrics, None
         if not hidden:                                   # sampled rubrics: a score pass of their own
             return rubrics, self.score(contexts, rubrics, batch_size)
-        return rubrics, self.step_scores(torch.stack([mean for _, mean in outs]) if outs else
-                                         torch.zeros((0, self.head.d_model), device=self.backbone.device))   # Eq. 2
+        if not outs:
+            return rubrics, self.step_scores(torch.zeros((0, self.head.d_model), device=self.backbone.device))
+        states = [h for _, h in outs]                    # each (q, h_t, a_t, r_t)'s last hidden states [L, H]
+        mask = torch.arange(max(len(h) for h in states), device=states[0].device)[None] < \
+            torch.tensor([len(h) for h in states], device=states[0].device)[:, None]
+        return rubrics, self.step_scores(mean_pool(nn.utils.rnn.pad_sequence(states, batch_first=True), mask))  # Eq. 2
 
     # -- score head: d_t = g_φ(mean-pool(hidden(q, h_t, a_t, r_t))) ------------------------
     def scoring_ids(self, contexts: Sequence[StepContext], rubrics: Sequence[Rubric] | None) -> list[list[int]]:
@@ -572,25 +589,3 @@ class RubricModel:
         state = load_file(str(Path(path) / "score_head.safetensors"), device=str(bb.device))
         mu.head.load_state_dict(state)
         return mu
-
-
-# ----------------------------------------------------------------------------------------
-# 5. μ at work: what an update logs of it
-# ----------------------------------------------------------------------------------------
-
-def mu_at_work(mu: RubricModel | None, trajs, contexts, rubrics, s) -> dict:
-    """μ at each update (README, "the default run"): the share of steps whose rubric gives K criteria, of criteria
-    copied from μ's prompt (copied_from_prompt), and the AUC of μ's verdict Σ_t s_t for R (None: all R equal)."""
-    if mu is None or s is None:
-        return {}
-    sums, at = [], 0
-    for t in trajs:
-        sums.append(float(s[at:at + len(t.steps)].sum()))
-        at += len(t.steps)
-    out: dict = {"sum_auc": auc(sums, [t.reward > 0.5 for t in trajs])}
-    if mu.rubric_mode in ("static", "none"):
-        return out
-    written = [(c, p) for p, r in zip(map(mu.prompt_text, contexts), rubrics) for c in r.criteria if c.strip()]
-    out["rubric_parse_rate"] = sum(r.complete for r in rubrics) / max(1, len(rubrics))
-    out["copied_rate"] = sum(copied_from_prompt(c, p) for c, p in written) / max(1, len(written))
-    return out

@@ -22,7 +22,6 @@ import json
 import math
 import random
 import sys
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 import env
+from env import EnvSettings
 from infra.data import DataError
 from infra.engines import loading
 from infra.files import check_intact, read_jsonl, scrub, write_atomically, write_json, write_jsonl
@@ -40,15 +40,61 @@ from infra.models import (ModelLoadError, add_lora, check_model_available, load_
 from infra.openai_teacher import OpenAITeacher
 from infra.oracle import OnPolicyTeacher, OracleTeacher, evidence_found
 from infra.passes import chat_prompt_ids, encode_response, policy_act, training_passes
-from infra.settings import DATASETS, EMBEDDED_RETRIEVER, Settings, Split, fill_from_preset, main_guard, parse_args
-from infra.teachers import LockedRetriever, TeacherError, clip_and_fit
+from infra.settings import (DATASETS, EMBEDDED_RETRIEVER, RunSettings, Split, fill_from_preset, from_preset, main_guard,
+                            parse_args)
+from infra.teachers import TeacherError, in_parallel, serialized
 from infra.warmups import (MU_SFT_SETTINGS, check_mu_settings, check_retriever, collection_suffix, eval_settings,
                            mu_dir_name, warmup_folder)
-from rubric_model import RubricModel, StepContext
+from rubric_model import MuSettings, RubricModel, StepContext, mean_pool
+
+@dataclass
+class Settings(MuSettings, EnvSettings, RunSettings):
+    """The warmup's knobs (§3.2, App. B) and what RL shares with it: the data, device and engines (infra.settings),
+    π's rollout (env.EnvSettings), μ's form (rubric_model.MuSettings), then these; warmup.Args and arco.Args extend
+    them (run_from_arco copies them by name)."""
+    eval_size: int | None = from_preset(paper=500, cpu=100, min=1, help="dev questions evaluated (paper 500)")
+    eval_all: bool | None = from_preset(paper=True, cpu=False, help="dev evaluations of every stage: the base model, "
+                                        "every π SFT epoch (the best is kept) and every RL epoch (release); off: only "
+                                        "where a choice or the result reads one — the last π SFT epoch (kept) and the "
+                                        "RL epochs after --sparse-epochs (§4.1's selection)")
+    sft_eval_size: int = field(default=0, metadata={
+        "help": "dev questions of the warmup's evaluations (base, π SFT epochs); 0 = --eval-size. A smaller one saves "
+                "the warmup's time; arco.py then evaluates epoch 0 itself"})
+    token_reduction: str | None = from_preset(paper="mean", cpu="mean", choices=["mean", "sum"],
+                                              help="mean (release) or sum (the paper's Σ_i) over the tokens of a step "
+                                                   "in the KL terms of Eq. 3 and Eq. 5 and in Eq. 7 (CHOICES.md)")
+    weight_decay: float | None = from_preset(paper=0.01, cpu=0.01,
+                                             help="AdamW weight decay of every optimizer, RL and SFT (release 0.01)")
+    warmup_size: int | None = from_preset(paper=1000, cpu=150, min=1, help="warmup questions (release 1,000)")
+    warmup_samples: int | None = from_preset(paper=3, cpu=2, min=1,
+                                             help="warmup: teacher trajectories per question (release 3)")
+    warmup_probe: int | None = from_preset(paper=32, cpu=8,
+                                           help="μ SFT items on which the warmup shows Eq. 7's terms before/after")
+    mu_data: str = field(default="teacher", metadata={
+        "help": "μ SFT data: teacher (the teacher's own trajectories, App. B) or policy (π_sft plays the μ SFT "
+                "questions, the oracle annotates every step: the release's local-policy mode) or both",
+        "choices": ["teacher", "policy", "both"]})
+    sft_epochs_pi: int | None = from_preset(paper=6, cpu=2, min=1,
+                                            help="warmup π SFT epochs (release 6; the best dev-EM epoch is kept)")
+    sft_epochs_mu: int | None = from_preset(paper=10, cpu=2, min=1,
+                                            help="warmup μ SFT epochs (release 10; the last is kept)")
+    sft_lr_pi: float | None = from_preset(paper=1e-5, cpu=5e-4, help="warmup π SFT learning rate (release 1e-5)")
+    sft_lr_mu: float | None = from_preset(paper=5e-5, cpu=3e-4, help="warmup μ SFT learning rate (release 5e-5)")
+    sft_head_lr: float | None = from_preset(paper=1e-3, cpu=1e-3,
+                                            help="warmup μ score-head learning rate (release 1e-3)")
+    sft_head_steps: int | None = from_preset(paper=0, cpu=500, help="warmup: Adam steps fitting μ's score head alone "
+                                             "after μ SFT (Eq. 7's score term; release 0)")
+    sft_batch_pi: int | None = from_preset(paper=64, cpu=8, min=1,
+                                           help="warmup π SFT examples per optimizer step (release 64)")
+    sft_batch_mu: int | None = from_preset(paper=32, cpu=4, min=1,
+                                           help="warmup μ SFT steps per optimizer step (release 32)")
+    sft_questions_mu: int | None = from_preset(paper=0, cpu=20, help="warmup μ SFT on the trajectories of the first "
+                                               "this many warmup questions (0 = all; release)")
+
 
 @dataclass
 class Args(Settings, Split):
-    """warmup.py's knobs: the shared ones (infra.settings.Settings), then its own."""
+    """warmup.py's knobs: the shared ones (Settings), then its own."""
     teacher: str = field(default="oracle", metadata={
         "help": "oracle (offline, from the gold evidence) or openai (any OpenAI-compatible endpoint)",
         "choices": ["oracle", "openai"]})
@@ -86,8 +132,43 @@ class Args(Settings, Split):
 
 
 # ----------------------------------------------------------------------------------------
-# 1. Eq. 6: the teacher's scores projected onto the outcome (App. B)
+# 1. App. B: the teacher's K scores read, and Eq. 6: projected onto the outcome
 # ----------------------------------------------------------------------------------------
+
+def _score(value) -> tuple[float, str]:
+    """One teacher score -> (number clipped to [-1, 1], what was wrong with it or "")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return 0.0, "non-numeric"
+    if isinstance(value, str):
+        try:
+            value = float(value.strip().rstrip(","))
+        except ValueError:
+            return 0.0, "non-numeric"
+    value = float(value)
+    if math.isnan(value):
+        return 0.0, "non-numeric"
+    if value < -1.0 or value > 1.0:
+        return min(1.0, max(-1.0, value)), "out of range"
+    return value, ""
+
+
+def fit_scores(raw, K: int) -> tuple[list[float], list[str]]:
+    """A step's teacher scores (numbers or numeric strings, as the teacher wrote them) -> exactly K floats in
+    [-1, 1] (App. B), and the problems found (for the annotation log): clipped to [-1, 1]; cut to the first K;
+    padded with 0.0 (the neutral score: "no opinion") when fewer than K were given. A value that is not a number
+    (a word, a bool, null, NaN) also becomes 0.0. A single number stands for a list of one."""
+    values = list(raw) if isinstance(raw, (list, tuple)) else ([] if raw is None else [raw])
+    issues = []
+    if len(values) != K:
+        issues.append(f"{len(values)} scores for K={K}")
+    out = []
+    for v in values[:K]:
+        s, why = _score(v)
+        out.append(s)
+        if why:
+            issues.append(f"{why} score {v!r}")
+    return out + [0.0] * (K - len(out)), issues
+
 
 def step_means_sum(scores: Sequence[Sequence[float]]) -> float:
     """Σ_t (1/K) Σ_j s_{t,j}: the left-hand side of Eq. 6."""
@@ -101,7 +182,7 @@ def _shifted(scores: Sequence[Sequence[float]], c: float) -> list[list[float]]:
 def project_scores(scores: Sequence[Sequence[float]], reward: float, tol: float = 1e-6) -> list[list[float]] | None:
     """Eq. 6: scores ŝ in [-1, 1] with Σ_t mean_j ŝ_{t,j} = R(τ) (within `tol`), keeping the teacher's order.
 
-    `scores` is T rows of K teacher scores already in [-1, 1] (see `infra.teachers.clip_and_fit`). The map is
+    `scores` is T rows of K teacher scores already in [-1, 1] (fit_scores). The map is
     ŝ = clip(s + c, -1, 1) with one shift c shared by every score of the trajectory, found by
     bisection on c ∈ [-2, 2]: the left side of Eq. 6 is continuous and non-decreasing in c, -T at
     c = -2 and T at c = 2. Being one monotone map, it never reverses two scores anywhere in the
@@ -120,7 +201,7 @@ def project_scores(scores: Sequence[Sequence[float]], reward: float, tol: float 
         if len(row) != K:
             raise ValueError(f"project_scores: step {t + 1} has {len(row)} scores, step 1 has {K}")
         if any(not (-1.0 <= v <= 1.0) for v in row):  # also catches NaN
-            raise ValueError(f"project_scores: step {t + 1} has a score outside [-1, 1]: {row} (use clip_and_fit)")
+            raise ValueError(f"project_scores: step {t + 1} has a score outside [-1, 1]: {row} (use fit_scores)")
     if abs(step_means_sum(rows) - reward) <= tol:
         return rows
     if not abs(reward) <= len(rows):
@@ -158,7 +239,10 @@ def make_record(ex: env.Example, sample: int, traj: env.Trajectory, meta: dict, 
                 raw_scores: list, issues: list[str], K: int, tol: float, teacher: str) -> dict:
     """One warmup record: the whole trajectory as logged by the environment, its rubric, Eq. 6."""
     T = len(traj.steps)  # rows beyond T are cut, missing ones padded (no criteria, neutral scores)
-    teacher_scores = [clip_and_fit(row, K) for row in (list(raw_scores) + [[]] * T)[:T]]
+    fitted = [fit_scores(row, K) for row in (list(raw_scores) + [[]] * T)[:T]]
+    teacher_scores = [row for row, _ in fitted]
+    issues = list(issues) + [f"step {t + 1}: {w}" for t, (_, why) in enumerate(fitted)    # a missing step
+                             if t < len(raw_scores) and raw_scores[t] != [] for w in why]      # is logged as such
     criteria = [[str(x) for x in (list(c) + [""] * K)[:K]] for c in (list(criteria) + [[]] * T)[:T]]
     projected = project_scores(teacher_scores, traj.reward, tol)
     d = traj.to_dict()
@@ -203,9 +287,6 @@ def collect(examples: Sequence[env.Example], teacher, retriever, out_dir: str | 
     Failures (after retries) go to failures.jsonl and are tried again by the next run. Returns the
     counts of this run.
     """
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
-    from tqdm import tqdm
     out_dir = Path(out_dir)
     ks = collection_suffix(K)
     path = out_dir / f"records{ks}.jsonl"
@@ -222,39 +303,20 @@ def collect(examples: Sequence[env.Example], teacher, retriever, out_dir: str | 
     jobs = [(ex, [s for s in range(k) if (ex.id, s) not in done]) for ex in examples]
     jobs = [j for j in jobs if j[1]]
     counts = Counter(skipped_finished=sum(k - len(j[1]) for j in jobs) + k * (len(examples) - len(jobs)))
-    lock = threading.Lock()  # API workers write from their own threads
 
+    @serialized                                      # API workers write from their own threads
     def write(rec: dict) -> None:
-        with lock:
-            write_jsonl(path, [rec], append=True)
-            counts["records"] += 1
-            counts[f"reward_{rec['reward']:g}"] += 1
+        write_jsonl(path, [rec], append=True)
+        counts["records"] += 1
+        counts[f"reward_{rec['reward']:g}"] += 1
 
+    @serialized
     def fail(rec: dict) -> None:
-        with lock:
-            write_jsonl(out_dir / f"failures{ks}.jsonl", [rec], append=True)
-            counts[f"failed_{rec['stage']}"] += 1
+        write_jsonl(out_dir / f"failures{ks}.jsonl", [rec], append=True)
+        counts[f"failed_{rec['stage']}"] += 1
 
     groups = [jobs[i:i + teacher.questions_per_call] for i in range(0, len(jobs), teacher.questions_per_call)]
-    bar = tqdm(total=len(jobs), desc=f"warmup {teacher.name}", unit="q", disable=not progress)
-    if getattr(teacher, "workers", 1) <= 1:
-        for g in groups:
-            _run_group(teacher, g, retriever, K, tol, write, fail)
-            bar.update(len(g))
-    else:
-        shared = LockedRetriever(retriever)
-        pool = ThreadPoolExecutor(teacher.workers)
-        try:
-            futures = {pool.submit(_run_group, teacher, g, shared, K, tol, write, fail): len(g) for g in groups}
-            for fut in as_completed(futures):
-                fut.result()
-                bar.update(futures[fut])
-        except BaseException:
-            teacher.stop.set()  # in-flight calls end at their next attempt; written records stay
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown()
-    bar.close()
+    in_parallel(teacher, groups, retriever, lambda g, r: _run_group(teacher, g, r, K, tol, write, fail), progress)
     return dict(counts)
 
 
@@ -400,10 +462,12 @@ def policy_sft_backward(pi, batch: Sequence[tuple[list[int], list[int]]], units:
     batch is cut into passes (`units`, e.g. its trajectories, packed up to `pass_tokens`) does not change it."""
     seqs, lens = [p + r for p, r in batch], [len(r) for _, r in batch]
     total = 0.0
-    for p in training_passes(pi, seqs, lens, budget=pass_tokens, units=units):
+    passes = training_passes(pi, seqs, lens, budget=pass_tokens, units=units)
+    for p in passes:
         loss = -(p.logprobs * p.mask).sum() / sum(lens)
         loss.backward()
         total += float(loss.detach())
+    passes.backward_shared()                     # the fast engine: the shared prompt's gradients, through it once
     return total
 
 
@@ -494,16 +558,17 @@ def rubric_sft_loss(d: torch.Tensor, targets: torch.Tensor, logprobs: torch.Tens
 def rubric_sft_passes(mu, items: Sequence[dict], lam: float, units: Sequence[Sequence[int]],
                       token_reduction: str = "sum", pass_tokens: int | None = None):
     """Eq. 7 (rubric_sft_loss) on each pass of a batch (`units`: index lists into `items` kept in one pass, e.g.
-    a trajectory's steps; packed up to `pass_tokens`, None: a pass each), normalized over the whole batch: yields
-    (loss, text, score) per pass. Both heads read the same pass (Eq. 2's pooled vector, the rubric tokens'
-    log-probs)."""
+    a trajectory's steps; packed up to `pass_tokens`, None: a pass each), normalized over the whole batch: the
+    passes (training_passes) and the (loss, text, score) of each, to iterate. Both heads read the same pass
+    (Eq. 2's mean-pooled hidden states, the rubric tokens' log-probs)."""
     contexts, rubrics, targets = rubric_items(mu, items)
     has_text = mu.rubric_mode not in ("static", "none")        # App. B: no rubric text target for these
     seqs = mu.scoring_ids(contexts, rubrics)
     lens = [len(r.token_ids) if has_text else 0 for r in rubrics]
-    for p in training_passes(mu.backbone, seqs, lens, budget=pass_tokens, units=units):
-        yield rubric_sft_loss(mu.step_scores(p.pooled).d, targets[p.index], p.logprobs if has_text else None, p.mask,
-                              lam, token_reduction, len(items), sum(lens))
+    passes = training_passes(mu.backbone, seqs, lens, budget=pass_tokens, units=units, hidden=True)
+    return passes, (rubric_sft_loss(mu.step_scores(mean_pool(p.hidden, p.hidden_mask)).d, targets[p.index],   # Eq. 2
+                                    p.logprobs if has_text else None, p.mask, lam, token_reduction, len(items),
+                                    sum(lens)) for p in passes)
 
 
 def rubric_sft_backward(mu, items: Sequence[dict], lam: float, units: Sequence[Sequence[int]],
@@ -511,9 +576,11 @@ def rubric_sft_backward(mu, items: Sequence[dict], lam: float, units: Sequence[S
     """Eq. 7 on one optimizer batch, backpropagated pass by pass (`units`, `pass_tokens`); returns its value (how
     the batch is cut into passes does not change it)."""
     total = 0.0
-    for loss, _, _ in rubric_sft_passes(mu, items, lam, units, token_reduction, pass_tokens):
+    passes, losses = rubric_sft_passes(mu, items, lam, units, token_reduction, pass_tokens)
+    for loss, _, _ in losses:
         loss.backward()
         total += float(loss.detach())
+    passes.backward_shared()                     # the fast engine: the shared prompt's gradients, through it once
     return total
 
 
@@ -523,7 +590,7 @@ def rubric_sft_terms(mu, items: Sequence[dict], lam: float, token_reduction: str
     mu.eval()
     with torch.no_grad():
         terms = [(float(t), float(sc)) for _, t, sc in rubric_sft_passes(mu, items, lam, trajectory_units(items),
-                                                                         token_reduction, pass_tokens)]
+                                                                         token_reduction, pass_tokens)[1]]
     return {"text_nll": sum(t for t, _ in terms), "score_sq_error": sum(sc for _, sc in terms)}
 
 
@@ -568,10 +635,12 @@ def fit_score_head(mu, items: Sequence[dict], steps: int, lr: float, rubrics=Non
     seqs = mu.scoring_ids(contexts, rubrics or teacher)
     mu.eval()
     with torch.no_grad():
-        passes = list(training_passes(mu.backbone, seqs, [0] * len(seqs), budget=pass_tokens,
-                                      units=trajectory_units(items)))
-        order = torch.tensor([i for p in passes for i in p.index])
-        pooled = torch.cat([p.pooled for p in passes])[torch.argsort(order)]          # back in the items' order
+        order, pooled = [], []
+        for p in training_passes(mu.backbone, seqs, [0] * len(seqs), budget=pass_tokens, units=trajectory_units(items),
+                                 hidden=True):
+            order += p.index
+            pooled.append(mean_pool(p.hidden, p.hidden_mask))                                    # Eq. 2's h̄_t
+        pooled = torch.cat(pooled)[torch.argsort(torch.tensor(order))]                     # back in the items' order
 
     def error() -> torch.Tensor:
         return ((mu.head(pooled).float() - targets) ** 2).mean()
@@ -774,7 +843,7 @@ def run(args: Args) -> Path:
 
 def run_from_arco(a, train_mu: bool = True) -> Path:
     """The offline oracle warmup with the settings of an arco.py run (its preset and flags): the settings the
-    two scripts share (infra.settings.Settings, which arco.Args extends) are copied by name."""
+    two scripts share (Settings, which arco.Args extends) are copied by name."""
     shared = {f.name: getattr(a, f.name) for f in dataclasses.fields(Settings)}
     return run(Args(**shared, train_mu=train_mu))
 

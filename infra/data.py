@@ -1,6 +1,6 @@
 """Where the questions come from (plumbing beneath env.py): the data files (--data-dir, $ARCO_DATA_DIR, a download
 of the official public files when the machine is online), the records of a JSON array or JSONL file, MuSiQue's
-own layout, and our synthetic worlds (`synthetic`: 2-hop bridge and comparison questions over invented entities;
+own layout, the gold answers of a data file (evaluate.py), and our synthetic worlds (`synthetic`: 2-hop bridge and comparison questions over invented entities;
 `synthetic-long`: 3-4-hop chains with look-alike distractors), generated in the HotpotQA distractor layout that
 env.py reads (env.parse_hotpot_layout, env.load_split).
 """
@@ -11,6 +11,7 @@ import os
 import random
 import urllib.request
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -108,6 +109,30 @@ def read_records(path: Path) -> list[tuple[str, dict]]:
             out.append((f"{path}:{n}", json.loads(line)))
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    return out
+
+
+@dataclass
+class Gold:
+    """A question's gold answers (the first the official one, then its aliases) and its type, for a predictions file."""
+    id: str
+    answers: list[str]
+    type: str
+
+
+def gold_answers(path: str | os.PathLike) -> list[Gold]:
+    """The gold answers of a data file in its official layout (evaluate.py): HotpotQA and 2WikiMultiHopQA (`_id`,
+    `answer`, `type`), MuSiQue (`id`, `answer`, `answer_aliases`), JSON or JSONL; a record without an id or an
+    answer is a DataError naming it."""
+    if not Path(path).is_file():
+        raise DataError(f"{path}: no such gold file")
+    out = []
+    for where, rec in read_records(Path(path)):
+        qid = rec.get("_id", rec.get("id")) if isinstance(rec, dict) else None
+        if qid is None or "answer" not in rec:
+            raise DataError(f"{where}: a gold question needs an id (`_id` or `id`) and an `answer`")
+        out.append(Gold(str(qid), [str(rec["answer"])] + [str(a) for a in rec.get("answer_aliases") or []],
+                        str(rec.get("type", ""))))
     return out
 
 

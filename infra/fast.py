@@ -21,8 +21,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from infra.models import Backbone, ModelLoadError, reference, trainable_parameters
-from infra.passes import Engine, Generation, Pass, end_of_reply, length_batches, lm_logits, token_kl
+from infra.models import Backbone, ModelLoadError, trainable_parameters
+from infra.passes import Engine, Generation, Pass, end_of_reply, length_batches, lm_logits
 
 
 # ----------------------------------------------------------------------------------------
@@ -91,8 +91,9 @@ class SharedPrefix:
     """A group of token sequences whose longest common prefix is run through the decoder once.
 
     `keep[i]` tokens at the end of sequence i stay out of the prefix (the positions a loss reads
-    must be computed with the remainder). `hidden_sum` is Σ of the prefix's last hidden states (for
-    mean pooling, Eq. 2). A `parent` is a SharedPrefix of a larger group these sequences belong to
+    must be computed with the remainder). `hidden` holds the prefix's last hidden states [n, H], float32
+    (each sequence's first n, which μ's Eq. 2 pools with the rest). A `parent` is a SharedPrefix of a larger
+    group these sequences belong to
     (e.g. a whole batch, sharing the system prompt): this prefix continues it. With `detach`, the
     sequences see the prefix through detached leaves whose gradients `backward_prefix` sends through
     the prefix once: a loss can then be backpropagated group by group, or sequence by sequence,
@@ -104,7 +105,7 @@ class SharedPrefix:
         self.bb, self.seqs = bb, [list(s) for s in seqs]
         self.n = common_prefix_length(self.seqs, min(len(s) - k for s, k in zip(self.seqs, keep)))
         start = parent.n if parent else 0
-        kv, hidden_sum = (parent.kv, parent.hidden_sum) if parent else ([], None)
+        kv, hidden = (parent.kv, parent.hidden) if parent else ([], None)
         self._graph = None
         if self.n > start:
             kwargs = {}
@@ -114,20 +115,20 @@ class SharedPrefix:
                 out = bb.model.get_decoder()(input_ids=torch.tensor([self.seqs[0][start:self.n]], device=bb.device),
                                              use_cache=True, **kwargs)
             kv = [(layer.keys, layer.values) for layer in out.cache.layers]
-            own = out.last_hidden_state[0].float().sum(0)
-            hidden_sum = own + hidden_sum if start else own
+            own = out.last_hidden_state[0].float()
+            hidden = torch.cat([hidden, own]) if start else own
             if detach and torch.is_grad_enabled():
-                self._graph = [t for pair in kv for t in pair] + [hidden_sum]
+                self._graph = [t for pair in kv for t in pair] + [hidden]
                 kv = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
-                hidden_sum = hidden_sum.detach().requires_grad_()
-        self.kv, self.hidden_sum = kv, hidden_sum
+                hidden = hidden.detach().requires_grad_()
+        self.kv, self.hidden = kv, hidden
 
     def backward_prefix(self) -> None:
         """With `detach`: the gradients gathered on the prefix's leaves, through the prefix, once (and on
         into its parent's leaves)."""
         if self._graph is None:
             return
-        leaves = [t for pair in self.kv for t in pair] + [self.hidden_sum]
+        leaves = [t for pair in self.kv for t in pair] + [self.hidden]
         pairs = [(g, leaf.grad) for g, leaf in zip(self._graph, leaves) if leaf.grad is not None and g.requires_grad]
         if pairs:
             torch.autograd.backward([g for g, _ in pairs], [d for _, d in pairs])
@@ -202,40 +203,38 @@ def packed_hidden(bb: Backbone, packed: Packed, root: SharedPrefix | None = None
 @dataclass
 class StepPass:
     """What a loss needs from one sequence (prompt + response)."""
-    hidden_sum: torch.Tensor              # [H] Σ of the last hidden states over all positions (fp32)
-    length: int                           # tokens in the sequence
     logprobs: torch.Tensor                # [R] log p(response token | before it)
-    kl: torch.Tensor | None = None        # [R] KL(p_θ ‖ p_ref) per response token, when ref_logq is given
+    kl: torch.Tensor | None = None        # [R] the caller's per-token KL to p_ref, when ref_logq is given
+    hidden: torch.Tensor | None = None    # [L, H] the last hidden states of all its positions (fp32), with `hidden`
 
 
 def packed_steps(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Sequence[int],
                  root: SharedPrefix | None = None, ref_logq: Sequence[torch.Tensor] | None = None,
-                 temperature: float = 1.0) -> list[StepPass]:
-    """One packed pass (`pack`) over sequences that continue `root`: for each, the sum of its last
-    hidden states (mean pooling, Eq. 2), the log-probs of its last `response_lens[i]` tokens (the LM
-    head on those positions only) and, given the reference's log-softmax there, the per-token
-    KL(p_θ ‖ p_ref) of Eq. 3 / Eq. 5 (token_kl's direction)."""
+                 temperature: float = 1.0, kl: Callable | None = None, hidden: bool = False) -> list[StepPass]:
+    """One packed pass (`pack`) over sequences that continue `root`: for each, the log-probs of its last
+    `response_lens[i]` tokens under softmax(logits / temperature) (the LM head on those positions only), given
+    the reference's log-softmax there the caller's per-token `kl` of the two, and with `hidden` its last hidden
+    states (the root's, then its own)."""
     n = root.n if root else 0
     packed = pack(seqs, n)
     h = packed_hidden(bb, packed, root)
     outs = []
     for i, (seq, r) in enumerate(zip(seqs, response_lens)):
         hp = h[torch.tensor(packed.paths[i], device=h.device)]
-        total = hp.float().sum(0) + (root.hidden_sum if n else 0.0)
         logq = torch.log_softmax(lm_logits(bb, hp[len(seq) - r - 1 - n:len(seq) - 1 - n]).float() / temperature, -1)
         target = torch.tensor(seq[len(seq) - r:], device=h.device)
-        logprobs = logq.gather(-1, target[:, None])[:, 0]
-        kl = token_kl(logq, ref_logq[i]) if ref_logq is not None else None
-        outs.append(StepPass(total, len(seq), logprobs, kl))
+        states = (torch.cat([root.hidden, hp.float()]) if n else hp.float()) if hidden else None
+        outs.append(StepPass(logq.gather(-1, target[:, None])[:, 0],
+                             kl(logq, ref_logq[i]) if ref_logq is not None else None, states))
     return outs
 
 
 @torch.no_grad()
 def reference_logq(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Sequence[int],
-                   root: SharedPrefix | None = None, temperature: float = 1.0) -> list[torch.Tensor]:
+                   root: SharedPrefix | None, temperature: float, reference: Callable) -> list[torch.Tensor]:
     """log p_ref over the vocabulary at each response position of each sequence ([R, V] each), p_ref =
-    the backbone with its adapter disabled (π_ref, μ_ref): the no-grad side of the KL of Eq. 3 / Eq. 5.
-    `root`: a SharedPrefix made under reference(bb) too."""
+    the backbone in the caller's `reference` context (π_ref, μ_ref: arco.reference): the no-grad side of the
+    KL. `root`: a SharedPrefix made in that context too."""
     n = root.n if root else 0
     with reference(bb):
         packed = pack(seqs, n)
@@ -279,29 +278,33 @@ def token_passes(seqs: Sequence[Sequence[int]], budget: int | None, start: int =
 # 3. The training passes of the fast engine (infra.passes.training_passes with engine FAST)
 # ----------------------------------------------------------------------------------------
 
-def fast_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool, budget: int, units: list[list[int]],
-                temperature: float = 1.0):
+def fast_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], units: list[list[int]], budget: int,
+                temperature: float, kl: Callable | None, reference: Callable | None, hidden: bool):
     """The fast engine: the units' common beginning runs once (SharedPrefix, for the reference too), the
     rest in packed rows (packed_steps) of at most `budget` tokens (token_passes); a unit longer than that
-    alone is cut into parts recomputed in the backward (gradient checkpointing)."""
+    alone is cut into parts recomputed in the backward (gradient checkpointing). The passes see the common
+    beginning through detached leaves: its backward, once, is the returned `backward_shared`."""
     from torch.utils.checkpoint import checkpoint
     mine = [i for u in units for i in u]
     keep = [lens[i] + 1 for i in mine]
     root = SharedPrefix(bb, [seqs[i] for i in mine], keep, detach=True)
-    if kl:
+    if kl is not None:
         with torch.no_grad(), reference(bb):
             ref_root = SharedPrefix(bb, [seqs[i] for i in mine], keep)
 
     def part(idx):                        # one packed row
         sub, sub_lens = [seqs[i] for i in idx], [lens[i] for i in idx]
-        outs = packed_steps(bb, sub, sub_lens, root, reference_logq(bb, sub, sub_lens, ref_root, temperature)
-                            if kl else None, temperature)
-        return [o.logprobs for o in outs], [o.kl for o in outs], torch.stack([o.hidden_sum / o.length for o in outs])
-    for parts in token_passes(seqs, budget, root.n, units):
-        res = [part(parts[0])] if len(parts) == 1 else [checkpoint(part, p, use_reentrant=False) for p in parts]
-        yield Pass.of([i for p in parts for i in p], [x for r in res for x in r[0]],
-                      [x for r in res for x in r[1]] if kl else None, torch.cat([r[2] for r in res]))
-    root.backward_prefix()
+        ref = reference_logq(bb, sub, sub_lens, ref_root, temperature, reference) if kl is not None else None
+        outs = packed_steps(bb, sub, sub_lens, root, ref, temperature, kl, hidden)
+        return [o.logprobs for o in outs], [o.kl for o in outs], [o.hidden for o in outs]
+
+    def run():
+        for parts in token_passes(seqs, budget, root.n, units):
+            res = [part(parts[0])] if len(parts) == 1 else [checkpoint(part, p, use_reentrant=False) for p in parts]
+            yield Pass.of([i for p in parts for i in p], [x for r in res for x in r[0]],
+                          [x for r in res for x in r[1]] if kl is not None else None,
+                          [x for r in res for x in r[2]] if hidden else None)
+    return run(), root.backward_prefix
 
 
 # ----------------------------------------------------------------------------------------
@@ -386,13 +389,13 @@ def as_values(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return keys.to(values.dtype)
 
 
-def _rows_packed(bb: Backbone, seqs: Sequence[Sequence[int]]) -> tuple[list, list, list]:
-    """Each prompt's keys/values ([heads, len, head_dim] per layer), the sum of its last hidden states and
-    the hidden state of its last token: the common prefix once (SharedPrefix), the rest packed so that
-    every shared token is computed once (`pack`, rows of at most PREFILL_TOKENS)."""
+def _rows_packed(bb: Backbone, seqs: Sequence[Sequence[int]], hidden: bool = False) -> tuple[list, list, list]:
+    """Each prompt's keys/values ([heads, len, head_dim] per layer), with `hidden` its last hidden states [len, H]
+    (else None), and the hidden state of its last token: the common prefix once (SharedPrefix), the rest packed so
+    that every shared token is computed once (`pack`, rows of at most PREFILL_TOKENS)."""
     root = SharedPrefix(bb, seqs, [1] * len(seqs))
     n, dev = root.n, bb.device
-    rows_kv, sums, last = [None] * len(seqs), [None] * len(seqs), [None] * len(seqs)
+    rows_kv, states, last = [None] * len(seqs), [None] * len(seqs), [None] * len(seqs)
     for (run,) in token_passes(seqs, PREFILL_TOKENS, n):
         packed = pack([seqs[i] for i in run], n)
         kv_n = len(packed.ids)
@@ -406,11 +409,12 @@ def _rows_packed(bb: Backbone, seqs: Sequence[Sequence[int]]) -> tuple[list, lis
         h = res.last_hidden_state[0].float()
         for j, i in enumerate(run):
             path = torch.tensor(packed.paths[j], device=dev)
-            sums[i] = h[path].sum(0) + (root.hidden_sum if n else 0.0)
+            if hidden:
+                states[i] = torch.cat([root.hidden, h[path]]) if n else h[path]
             last[i] = h[path[-1]]
             rows_kv[i] = kv_rows([tuple(torch.cat([part[0, :, :n], part[0, :, n:][:, path]], 1)
                                         for part in (layer.keys, layer.values)) for layer in res.cache.layers])
-    return rows_kv, sums, last
+    return rows_kv, states, last
 
 
 def _rows_from_memo(bb: Backbone, seqs: Sequence[Sequence[int]], stored: Sequence[tuple[list, int]]) -> tuple[list, list]:
@@ -435,18 +439,17 @@ def _rows_from_memo(bb: Backbone, seqs: Sequence[Sequence[int]], stored: Sequenc
     return rows_kv, [h[i, len(s) - m - 1] for i, (s, m) in enumerate(zip(seqs, n))]
 
 
-def _prefill(bb: Backbone, seqs: Sequence[Sequence[int]], memo: PromptMemo | None = None):
+def _prefill(bb: Backbone, seqs: Sequence[Sequence[int]], memo: PromptMemo | None = None, hidden: bool = False):
     """The prompts of a decoding batch as one batch cache, right-padded between each prompt and what is
     generated. With a `memo` holding a beginning of every prompt, only the rest is run (_rows_from_memo);
-    otherwise the prompts are packed (_rows_packed). Returns the cache, its attention mask [B, width], the
-    sums of the prompts' last hidden states (None when the memo was used) and the hidden state of each
+    otherwise the prompts are packed (_rows_packed). Returns the cache, its attention mask [B, width], with
+    `hidden` each prompt's last hidden states (else Nones; never with the memo) and the hidden state of each
     prompt's last token."""
     stored = [memo.longest(s) for s in seqs] if memo is not None else []
     if stored and all(m > 0 for _, m in stored):
-        (rows_kv, last), sums = _rows_from_memo(bb, seqs, stored), None
+        (rows_kv, last), states = _rows_from_memo(bb, seqs, stored), [None] * len(seqs)
     else:
-        rows_kv, sums, last = _rows_packed(bb, seqs)
-        sums = torch.stack(sums)
+        rows_kv, states, last = _rows_packed(bb, seqs, hidden)
     if memo is not None:
         for s, kv in zip(seqs, rows_kv):
             memo.store(s, kv)
@@ -454,7 +457,7 @@ def _prefill(bb: Backbone, seqs: Sequence[Sequence[int]], memo: PromptMemo | Non
     kv = [tuple(torch.stack([torch.nn.functional.pad(row[layer][part], (0, 0, 0, width - row[layer][part].shape[1]))
                              for row in rows_kv]) for part in (0, 1)) for layer in range(len(rows_kv[0]))]
     mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in seqs], device=bb.device)
-    return _cache(bb, kv, growing=True), mask, sums, torch.stack(last)
+    return _cache(bb, kv, growing=True), mask, states, torch.stack(last)
 
 
 @torch.no_grad()
@@ -467,8 +470,8 @@ def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     Greedy (temperature 0): a row leaves the batch when it is done — at an end-of-turn token or at
     max_new_tokens; `steer(its new ids, the drawn token, the step's logits [V])` returns the token written in
     place of the drawn one (μ's rubric frames: RubricModel.steer). With `hidden` every token is fed
-    once (greedy only), so the mean of the last hidden states over prompt + reply (μ's pooled vector, Eq. 2) comes
-    with the text: a score pass for free. Sampling (temperature > 0) draws as transformers' generate
+    once (greedy only), so the last hidden states of prompt + reply (what μ's Eq. 2 pools) come with the text: a
+    score pass for free. Sampling (temperature > 0) draws as transformers' generate
     does — softmax(logits / T) in fp32, one torch.multinomial over the whole batch at every step until
     every row is done — so a seed gives the same tokens (up to floating-point rounding); a finished row
     leaves the forward pass but stays in the draw with a placeholder distribution (one draw per row
@@ -477,7 +480,8 @@ def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     generator instead, so its tokens depend on its seed alone, not on which rows share its batch: what
     makes a data-parallel run's rollouts those of the single-process run (arco.py --sampling trajectory).
     A `memo` (PromptMemo) reuses the keys/values of the
-    previous call's prompts. Returns (Generation, mean hidden [H] or None) per prompt, in the input order.
+    previous call's prompts. Returns (Generation, hidden states [L, H] float32 or None) per prompt, in the input
+    order.
     """
     if hidden and (memo is not None or temperature > 0):
         raise ValueError("decode: `hidden` is for greedy decoding without a memo (which skips prompt tokens)")
@@ -493,7 +497,8 @@ def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     try:
         for batch in length_batches([len(p) for p in prompts], batch_size):
             seqs = [list(prompts[i]) for i in batch]
-            cache, mask, sums, h_last = _prefill(bb, seqs, memo)
+            cache, mask, states, h_last = _prefill(bb, seqs, memo, hidden)
+            fed: list[list[torch.Tensor]] = [[] for _ in seqs]      # `hidden`: each new token's, as it is fed
             streams = [torch.Generator(device=dev).manual_seed(seeds[i]) for i in batch] if sample and seeds else None
             last = torch.tensor([len(q) - 1 for q in seqs], device=dev)
             new: list[list[int]] = [[] for _ in seqs]
@@ -535,11 +540,12 @@ def decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
                 cache, h_last = res.cache, res.last_hidden_state[:, -1].float()
                 if hidden:
                     fresh = [k for k, r in enumerate(rows) if r in writing]
-                    sums[torch.tensor([rows[k] for k in fresh], device=dev)] += h_last[fresh]
+                    for k in fresh:
+                        fed[rows[k]].append(h_last[k])
             for row, i in enumerate(batch):
                 text = bb.tokenizer.decode(new[row], skip_special_tokens=True).strip()
-                mean = sums[row] / (len(seqs[row]) + len(new[row])) if hidden else None
-                out[i] = (Generation(text, new[row], seqs[row]), mean)
+                full = torch.cat([states[row], torch.stack(fed[row])]) if hidden else None
+                out[i] = (Generation(text, new[row], seqs[row]), full)
         if memo is not None:
             memo.end()
     finally:

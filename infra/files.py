@@ -1,5 +1,6 @@
 """Files (plumbing): the one JSON / JSONL reader and writer of every script (the API key never reaches disk), folders
-written whole or not at all, and the manifests (every file's size and SHA-256) that find a damaged checkpoint."""
+written whole or not at all, the manifests (every file's size and SHA-256) that find a damaged checkpoint, and the
+reader of a predictions file (evaluate.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -9,7 +10,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Container, Sequence
 
 from infra.settings import UsageError
 
@@ -133,3 +134,64 @@ def check_intact(folder: Path) -> None:
     if problem:
         raise UsageError(f"damaged checkpoint: {problem}. Delete {folder} to make it again "
                          f"(or --resume a run: it falls back to its newest intact checkpoint)")
+
+
+# --- a predictions file (evaluate.py) ---------------------------------------------------------------------------
+
+class PredictionError(ValueError):
+    """A predictions file that cannot be scored; the message names the file and line."""
+
+
+def _prediction_line(raw: bytes) -> tuple[str, str] | None:
+    """(id, answer) of one predictions line, None for a blank one; ValueError if bad."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg}, column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f'expected a JSON object {{"id": ..., "answer": ...}}, got {type(record).__name__}')
+    for key in ("id", "answer"):
+        if key not in record:
+            raise ValueError(f"missing field {key!r}")
+        if not isinstance(record[key], str):
+            raise ValueError(f"field {key!r} must be a string, got {json.dumps(record[key])}")
+    return record["id"], record["answer"]
+
+
+def read_predictions(path: str, known_ids: Container[str] | None = None,
+                     source: str = "the dataset") -> dict[str, str]:
+    """Read a JSONL file of {"id": ..., "answer": ...} objects into {id: answer}.
+
+    Blank lines are skipped; other fields are ignored. Raises PredictionError, with a
+    message 'FILE:LINE: what is wrong', on the first line that is not valid UTF-8 JSON,
+    not an object, lacks "id" or "answer", has a non-string id or answer, repeats an
+    earlier id, or (when `known_ids` is given) names an id not in `source`.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw_lines = f.read().split(b"\n")
+    except OSError as e:
+        raise PredictionError(f"{path}: cannot read predictions ({e.strerror})") from None
+    predictions: dict[str, str] = {}
+    first_line: dict[str, int] = {}
+    for lineno, raw in enumerate(raw_lines, 1):
+        try:
+            parsed = _prediction_line(raw)
+            if parsed is None:
+                continue
+            pid, answer = parsed
+            if pid in first_line:
+                raise ValueError(f"duplicate id {pid!r} (first on line {first_line[pid]})")
+            if known_ids is not None and pid not in known_ids:
+                raise ValueError(f"unknown id {pid!r} (not in {source})")
+        except ValueError as e:
+            raise PredictionError(f"{path}:{lineno}: {e}") from None
+        first_line[pid] = lineno
+        predictions[pid] = answer
+    return predictions

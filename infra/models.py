@@ -325,7 +325,7 @@ def load_backbone(name: str = EMBEDDED, device: str = "auto", dtype: str = "auto
 
 
 # ----------------------------------------------------------------------------------------
-# LoRA: add, merge-then-new-adapter, reference = adapter disabled
+# LoRA: add, merge-then-new-adapter (the reference, the adapter disabled, is arco.reference)
 # ----------------------------------------------------------------------------------------
 
 def add_lora(bb: Backbone, r: int = 8, alpha: int = 32, dropout: float = 0.05,
@@ -363,14 +363,6 @@ def merge_lora(bb: Backbone) -> Backbone:
     bb.model = bb.model.merge_and_unload()
     bb.lowered = []                         # the merged weights changed in place (.data): their bf16 copies go
     return bb
-
-
-def reference(bb: Backbone):
-    """Context in which the backbone computes p_ref: the same module with its adapter
-    disabled (= the merged SFT weights). No copy of any weight is made."""
-    if _is_peft(bb.model):
-        return bb.model.disable_adapter()
-    return contextlib.nullcontext()
 
 
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:

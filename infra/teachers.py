@@ -1,6 +1,7 @@
-"""What every warmup teacher shares (plumbing beneath warmup.py's teacher protocol): reading a teacher's scores
-(`clip_and_fit`: K numbers in [−1, 1]), the error of a call or annotation that failed for good, a retriever that
-several API workers can share, and two wording helpers. The teachers: infra/oracle.py (offline: the oracle, and
+"""What every warmup teacher shares (plumbing beneath warmup.py's teacher protocol): the error of a call or
+annotation that failed for good, the groups of questions run one after another or by a pool of API workers
+(in_parallel, serialized writes, a retriever they share), and two wording helpers (a teacher
+hands its scores over as it read them; App. B's clip-and-fit to K numbers in [−1, 1] is warmup.fit_scores). The teachers: infra/oracle.py (offline: the oracle, and
 π_sft playing with the oracle annotating) and infra/openai_teacher.py (any OpenAI-compatible endpoint).
 
 A teacher is given the environment it plays in (env.py, passed in as `world`: this package imports no script) and
@@ -9,54 +10,52 @@ answers warmup.py's two calls: `rollout(pairs, retriever)` → (trajectories, me
 """
 from __future__ import annotations
 
-import math
 import threading
 from typing import Sequence
 
-def _score(value) -> tuple[float, str]:
-    """One teacher score -> (number clipped to [-1, 1], what was wrong with it or "")."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        return 0.0, "non-numeric"
-    if isinstance(value, str):
-        try:
-            value = float(value.strip().rstrip(","))
-        except ValueError:
-            return 0.0, "non-numeric"
-    value = float(value)
-    if math.isnan(value):
-        return 0.0, "non-numeric"
-    if value < -1.0 or value > 1.0:
-        return min(1.0, max(-1.0, value)), "out of range"
-    return value, ""
-
-
-def fit_scores(raw, K: int) -> tuple[list[float], list[str]]:
-    """`clip_and_fit`, plus the list of problems found (for the annotation log)."""
-    values = list(raw) if isinstance(raw, (list, tuple)) else ([] if raw is None else [raw])
-    issues = []
-    if len(values) != K:
-        issues.append(f"{len(values)} scores for K={K}")
-    out = []
-    for v in values[:K]:
-        s, why = _score(v)
-        out.append(s)
-        if why:
-            issues.append(f"{why} score {v!r}")
-    return out + [0.0] * (K - len(out)), issues
-
-
-def clip_and_fit(raw, K: int) -> list[float]:
-    """Teacher scores (numbers or numeric strings) -> exactly K floats in [-1, 1] (App. B).
-
-    Clipped to [-1, 1]; cut to the first K; padded with 0.0 (the neutral score: "no opinion")
-    when fewer than K were given. A value that is not a number (a word, a bool, null, NaN) also
-    becomes 0.0. A single number stands for a list of one.
-    """
-    return fit_scores(raw, K)[0]
-
-
 class TeacherError(Exception):
     """A teacher call that failed for good (after retries) or an annotation that cannot be parsed."""
+
+
+_WRITES = threading.Lock()
+
+
+def serialized(fn):
+    """`fn` run under one lock shared by everything this decorates: what the API workers write from their own
+    threads (records, failures, counts)."""
+    def locked(*args, **kwargs):
+        with _WRITES:
+            return fn(*args, **kwargs)
+    return locked
+
+
+def in_parallel(teacher, groups: Sequence, retriever, work, progress: bool = True) -> None:
+    """`work(group, retriever)` for each group of questions, with a progress bar: one after another, or, for a teacher
+    with several workers (the API teacher: teacher.workers), in a pool of threads sharing one retriever
+    (LockedRetriever); on an error or Ctrl-C the teacher's calls in flight stop at their next attempt (teacher.stop)
+    and what was written stays."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from tqdm import tqdm
+    bar = tqdm(total=sum(len(g) for g in groups), desc=f"warmup {teacher.name}", unit="q", disable=not progress)
+    if getattr(teacher, "workers", 1) <= 1:
+        for g in groups:
+            work(g, retriever)
+            bar.update(len(g))
+    else:
+        shared = LockedRetriever(retriever)
+        pool = ThreadPoolExecutor(teacher.workers)
+        try:
+            futures = {pool.submit(work, g, shared): len(g) for g in groups}
+            for fut in as_completed(futures):
+                fut.result()
+                bar.update(futures[fut])
+        except BaseException:
+            teacher.stop.set()  # in-flight calls end at their next attempt; written records stay
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+    bar.close()
 
 
 class LockedRetriever:

@@ -39,13 +39,15 @@ from infra.parallel import Workers
 from infra.passes import (chat_prompt_ids, encode_response, generate, last_hidden_states, pad_right, policy_act,
                           sequence_logprobs)
 from infra.settings import ModelSettings, fill_from_preset, main_guard, parse_args
-from rubric_model import EXAMPLES, Rubric, RubricModel, StepContext, contexts_from_trajectory, mean_pool, step_text
+from env import EnvSettings
+from rubric_model import EXAMPLES, MuSettings, Rubric, RubricModel, StepContext, contexts_from_trajectory, mean_pool, step_text
 
 
 @dataclass
-class ModelArgs(ModelSettings):
+class ModelArgs(MuSettings, EnvSettings, ModelSettings):
     """The model the passes and parse-rate measurements load (infra.settings.ModelSettings; --model also takes
-    random:<shape>, a random-init model of a public shape), then these."""
+    random:<shape>, a random-init model of a public shape), π's and μ's knobs (env.EnvSettings,
+    rubric_model.MuSettings), then these."""
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
 
     def __post_init__(self):
@@ -340,7 +342,7 @@ def loop_benchmark(args: arco.Args) -> dict:
     trajs = load_batch(bench / "batch.jsonl", questions)
     contexts = [c for t in trajs for c in contexts_from_trajectory(t)]
     _, rubrics, _, s = timed("μ rubrics + scores", lambda: arco.annotate(mu, trajs, args, one))
-    A, _ = arco.advantages(trajs, s, True, args)
+    A = arco.advantages(arco.CreditBatch(trajs, s, True, args)).A
     timed("π update", lambda: arco.policy_update(pi, opt_pi, trajs, A, args, args.kl_pi_dense, one))
     timed("μ update", lambda: arco.rubric_update(mu, opt_mu, trajs, contexts, rubrics, args, one))
     peak_gib = peak_rss_gib()

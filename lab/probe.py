@@ -45,14 +45,14 @@ import torch
 import arco
 import env
 import warmup
-from evaluate import auc
+from infra.runs import auc
 from infra import models, passes
 from infra.data import DataError
 from infra.engines import loading
 from infra.files import read_jsonl, write_json, write_jsonl
 from infra.settings import main_guard
 from infra.warmups import mu_dir_name
-from lab.study import fmt, run_once, study_args
+from lab.study import fmt, run_once, study_args  # (lab.study registers the "mixed" estimator)
 from lab.truth import ground_truth_scores
 from rubric_model import RubricModel, contexts_from_trajectory
 
@@ -276,9 +276,10 @@ def true_gradient(pi, trajs: Sequence, sketch: Sketch, args: arco.Args, path: Pa
             for p in params:
                 p.grad = None
             adv = torch.tensor([a for _, a in steps])
-            for p in passes.training_passes(pi, seqs, lens, budget=args.pass_tokens, units=units,
-                                            temperature=temperature):
+            tp = passes.training_passes(pi, seqs, lens, budget=args.pass_tokens, units=units, temperature=temperature)
+            for p in tp:
                 (-(adv[p.index].to(p.logprobs.device) * (p.logprobs * p.mask).sum(-1)).sum() / half).backward()
+            tp.backward_shared()
             halves[h] -= sketch(flat_grad(params))          # the loss's gradient is −g
         torch.save({"trajectories": min(start + chunk, len(trajs)), "halves": halves, "fingerprint": fingerprint},
                    path)
@@ -406,44 +407,80 @@ def mc_values(trajs: Sequence) -> list[list[float]]:
     return out
 
 
-def scheme_advantages(name: str, batch: Sequence[int], trajs, scores: dict, values, composition: str,
-                      alpha: float, fallback: bool, branch: list | None = None) -> list[list[float]]:
-    """Per-step advantages of one batch (trajectory indices) under a credit scheme: `outcome` (arco.
-    outcome_advantages: the question's group mean at 2 × 4, the batch mean at 8 × 1), `value` (R − V̂(h_t),
-    mc_values), `branch value` (R − V̂(h_t) of the branched rollouts: the best exactly-decomposing μ), `branch
-    critic` (Q̂(h_t, a_t) − V̂(h_t): the best step critic; `branch` is one of branch_values' estimates), `verdict
-    <μ>` (α (R̂ − the group's or batch's mean R̂), R̂ = Σ_t s_t, μ's verdict on the whole trajectory, at every
-    step), or a dense one "<scores> <baseline>" — Eq. 3's G_t of the scores (`causal`: env's causal oracle, or a
-    μ's) with Eq. 4's bucket means (`eq4`, as ARCO runs) or a state-only baseline (`state`), α-scaled — and
-    `mixed <μ>`: the outcome advantage plus μ's Eq. 3–4 dense advantage (the mixed arm)."""
-    ts = [trajs[i] for i in batch]
-    valid = [[st.valid for st in t.steps] for t in ts]
-    groups = [t.example.id for t in ts] if COMPOSITIONS[composition][1] > 1 else None
-    outcome = arco.outcome_advantages([t.reward for t in ts], groups)
+# The probe's own estimators, registered as any run's would be (arco's seam): each scheme below is a pair (the s_t
+# it hands an estimator, the estimator's name), so the probe measures what `arco.py --estimator NAME` would compute.
+
+@arco.register_estimator("probe-return")
+def return_advantages(batch: arco.CreditBatch) -> arco.Advantages:
+    """A_t = G_t, Eq. 3's reward-to-go of the s_t with no baseline and no α, on valid steps: given s_t whose
+    reward-to-go is a per-step advantage (`telescoped`), that advantage."""
+    G = [arco.reward_to_go(batch.s[r.start:r.stop].tolist()) for r in env.step_ranges(batch.trajs)]
+    return arco.Advantages([[g if st.valid else 0.0 for g, st in zip(g_t, t.steps)] for g_t, t in zip(G, batch.trajs)])
+
+
+@arco.register_estimator("probe-state")
+def state_advantages(batch: arco.CreditBatch) -> arco.Advantages:
+    """Eq. 3's G_t of the s_t with a state-only baseline: the mean G of the batch's valid steps at the same position t
+    (position_buckets; Eq. 4 puts a search with the searches of its rank, a Finish with every last step), α-scaled."""
+    valid = [[st.valid for st in t.steps] for t in batch.trajs]
+    G = [arco.reward_to_go(batch.s[r.start:r.stop].tolist()) for r in env.step_ranges(batch.trajs)]
+    buckets = [position_buckets([st.action for st in t.steps], v) for t, v in zip(batch.trajs, valid)]
+    return arco.Advantages(arco.bucketed_advantages(G, buckets, valid, batch.args.alpha, batch.args.bucket_fallback))
+
+
+@arco.register_estimator("probe-verdict")
+def verdict_advantages(batch: arco.CreditBatch) -> arco.Advantages:
+    """μ's verdict on the whole trajectory at every valid step: α (R̂ − the group's or batch's mean R̂), R̂ = Σ_t s_t."""
+    groups = [(t.example.dataset, t.example.id) for t in batch.trajs] if batch.args.sparse_baseline == "group" else None
+    verdict = arco.outcome_advantages([float(batch.s[r.start:r.stop].sum()) for r in env.step_ranges(batch.trajs)],
+                                      groups)
+    return arco.Advantages([[batch.args.alpha * a if st.valid else 0.0 for st in t.steps]
+                            for a, t in zip(verdict, batch.trajs)])
+
+
+def telescoped(A: Sequence[float]) -> list[float]:
+    """Per-step s_t whose reward-to-go is A_t: s_t = A_t − A_{t+1}, the last A_T (Σ_{k≥t} s_k = A_t)."""
+    return [a - b for a, b in zip(A, list(A[1:]) + [0.0])]
+
+
+def scheme_credit(name: str, i: int, t, scores: dict, values, branch: list | None) -> tuple[list[float] | None, str, bool]:
+    """A scheme as the seam runs it, for trajectory i: (its s_t, the registered estimator's name, dense?). `outcome`
+    (ARCO's estimator, sparse: R − the group's mean at 2 × 4, the batch's at 8 × 1); `value` (R − V̂(h_t),
+    mc_values), `branch value` (R − V̂(h_t) of the branched rollouts, V̂(h_0) at t = 0 included: a state-value
+    baseline, optimistic for a decomposing μ) and `branch critic` (Q̂(h_t, a_t) − V̂(h_t): the best step critic;
+    `branch` is one of branch_values' estimates), each a per-step advantage handed to "probe-return"; `branch eq4`
+    (the best exactly-decomposing μ as ARCO's estimator runs it: s_t whose G_0 = R, since Σ_{k<0} s_k is empty
+    whatever μ, and G_t = R − V̂(h_t) after, through Eq. 4's buckets and α); `verdict <μ>` ("probe-verdict"); a dense
+    "<scores> <baseline>" — Eq. 3's G_t of the scores (`causal`: the causal oracle's, or a μ's) through ARCO's
+    estimator (`eq4`, Eq. 4's buckets) or "probe-state" (`state`); and `mixed <μ>`, the lab's mixed estimator."""
+    n = len(t.steps)
     if name == "outcome":
-        return [[a if ok else 0.0 for ok in v] for a, v in zip(outcome, valid)]
-    if name == "value":
-        return [[t.reward - values[i][k] if ok else 0.0 for k, ok in enumerate(v)] for i, t, v in zip(batch, ts, valid)]
-    if name in ("branch value", "branch critic"):
-        pick = (lambda b, k, t: t.reward - b["V"][k]) if name == "branch value" else (lambda b, k, t: b["Q"][k] - b["V"][k])
-        return [[pick(branch[i], k, t) if ok else 0.0 for k, ok in enumerate(v)] for i, t, v in zip(batch, ts, valid)]
-    if name == "branch eq4":         # what ARCO's estimator hands π from a perfect decomposing μ: G_0 = R (an empty
-        G = [[t.reward - (branch[i]["V"][k] if k else 0.0) for k in range(len(t.steps))]   # prefix sum), then
-             for i, t in zip(batch, ts)]                                                     # R − V̂(h_t), Eq. 4
-        buckets = [arco.step_buckets([st.action for st in t.steps], v) for t, v in zip(ts, valid)]
-        return arco.bucketed_advantages(G, buckets, valid, alpha, fallback)
+        return None, "arco", False
+    if name in ("value", "branch value", "branch critic", "branch eq4"):
+        V = values[i] if name == "value" else branch[i]["V"]
+        A = [b["Q"][k] - b["V"][k] for b in [branch[i]] for k in range(n)] if name == "branch critic" else \
+            [t.reward - (V[k] if k or name != "branch eq4" else 0.0) for k in range(n)]
+        return telescoped(A), ("arco" if name == "branch eq4" else "probe-return"), True
     kind, *rest = name.split()
     if kind == "verdict":
-        verdict = arco.outcome_advantages([sum(scores[rest[0]][i]) for i in batch], groups)
-        return [[alpha * a if ok else 0.0 for ok in v] for a, v in zip(verdict, valid)]
-    source = rest[0] if kind == "mixed" else kind
-    G = [arco.reward_to_go(scores[source][i]) for i in batch]
-    bucket = position_buckets if (kind != "mixed" and rest[0] == "state") else arco.step_buckets
-    buckets = [bucket([st.action for st in t.steps], v) for t, v in zip(ts, valid)]
-    A = arco.bucketed_advantages(G, buckets, valid, alpha, fallback)
+        return scores[rest[0]][i], "probe-verdict", True
     if kind == "mixed":
-        A = [[a + o if ok else 0.0 for a, ok in zip(a_t, v)] for a_t, o, v in zip(A, outcome, valid)]
-    return A
+        return scores[rest[0]][i], "mixed", True
+    return scores[kind][i], {"eq4": "arco", "state": "probe-state"}[rest[0]], True
+
+
+def scheme_advantages(name: str, batch: Sequence[int], trajs, scores: dict, values, composition: str,
+                      alpha: float, fallback: bool, branch: list | None = None) -> list[list[float]]:
+    """Per-step advantages of one batch (trajectory indices) under a credit scheme (scheme_credit), computed by its
+    registered estimator (arco.ESTIMATORS) on the batch, as a run computes them; at 2 × 4 the group baselines are
+    each question's samples, at 8 × 1 (one sample a question) the batch's."""
+    ts = [trajs[i] for i in batch]
+    credit = [scheme_credit(name, i, trajs[i], scores, values, branch) for i in batch]
+    s, estimator, dense = [c[0] for c in credit], credit[0][1], credit[0][2]
+    args = arco.Args(alpha=alpha, bucket_fallback=fallback,
+                     sparse_baseline="group" if COMPOSITIONS[composition][1] > 1 else "batch")
+    flat = torch.tensor([x for row in s for x in row], dtype=torch.float64) if s[0] is not None else None
+    return arco.ESTIMATORS[estimator](arco.CreditBatch(ts, flat, dense, args)).A
 
 
 def probe_batches(n_questions: int, samples: int, composition: str) -> list[list[int]]:
@@ -773,7 +810,7 @@ def noisy_label_auc(scores: Sequence[float], a: Sequence[float], b: Sequence[flo
             sum(est[i] > 0 for i in keep) / max(1, len(keep)), len(keep)
     full = [(x + y) / 2 for x, y in zip(a, b)]
     raw, _, n_raw = measured(full)
-    (auc_a, pos_a, n_a), (auc_b, pos_b, n_b) = measured(a), measured(b)
+    (auc_a, pos_a, _), (auc_b, pos_b, _) = measured(a), measured(b)
     both = [i for i in range(len(a)) if a[i] != 0 and b[i] != 0]
     out = {"steps": len(a), "steps_signed": n_raw, "steps_both_halves_signed": len(both), "raw": raw,
            "halves": None, "agreement": None, "flip": None, "kappa": None, "corrected": None}

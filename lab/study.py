@@ -51,7 +51,7 @@ import arco
 import env
 import rubric_model
 import warmup
-from evaluate import auc
+from infra.runs import auc
 from infra.data import DataError
 from infra.engines import loading
 from infra.files import read_jsonl, write_json, write_jsonl
@@ -153,19 +153,21 @@ def run_settings(run_dir: Path) -> dict:
 
 
 @arco.register_estimator("mixed")
-def mixed_advantages(trajs, s, dense: bool, args) -> tuple[list[list[float]], dict]:
+def mixed_advantages(batch: arco.CreditBatch) -> arco.Advantages:
     """The mixed arm (not ARCO; PRIME-style): in a dense epoch A_t = A_outcome(τ) + α (G_t − Ḡ_b), the outcome
     advantage (its group's or the batch's mean as the baseline, as --sparse-baseline says) plus μ's Eq. 3–4
     advantage; sparse epochs as Algorithm 1."""
-    A, info = arco.advantages(trajs, s, dense, args)
-    if not dense:
-        return A, info
-    groups = [(t.example.dataset, t.example.id) for t in trajs] if args.sparse_baseline == "group" else None
+    adv = arco.advantages(batch)
+    if not batch.dense:
+        return adv
+    trajs = batch.trajs
+    groups = [(t.example.dataset, t.example.id) for t in trajs] if batch.args.sparse_baseline == "group" else None
     outcome = arco.outcome_advantages([t.reward for t in trajs], groups)
-    return [[a + o if st.valid else 0.0 for a, st in zip(a_t, t.steps)] for a_t, o, t in zip(A, outcome, trajs)], info
+    return dataclasses.replace(adv, A=[[a + o if st.valid else 0.0 for a, st in zip(a_t, t.steps)]
+                                       for a_t, o, t in zip(adv.A, outcome, trajs)])
 
 
-def credit_stats(trajs, s, A, info) -> dict:
+def credit_stats(trajs, s, adv: arco.Advantages) -> dict:
     """For the log of a dense or μ-scored update (issue 41): the mean s_t by step type and position
     (`search@1`, `finish@4`, …; valid steps), the correlation over the batch of Σ_t s_t − R(τ) with the number of
     searches (does the credit reward length?), and each bucket holding one valid step (Eq. 4's singleton, where
@@ -187,13 +189,13 @@ def credit_stats(trajs, s, A, info) -> dict:
     corr = float(torch.corrcoef(torch.tensor([excess, searches], dtype=torch.float))[0, 1]) \
         if sd[0] > 1e-5 and sd[1] > 0 else None
     singletons = []
-    if "buckets" in info:
+    if adv.buckets is not None:
         counts: dict = {}
-        for t, b_t in zip(trajs, info["buckets"]):
+        for t, b_t in zip(trajs, adv.buckets):
             for st, b in zip(t.steps, b_t):
                 if b is not None and st.valid:            # Eq. 4's I_b: valid steps, as bucketed_advantages
                     counts[b] = counts.get(b, 0) + 1
-        singletons = [{"bucket": b, "action": st.action, "A": a} for t, b_t, a_t in zip(trajs, info["buckets"], A)
+        singletons = [{"bucket": b, "action": st.action, "A": a} for t, b_t, a_t in zip(trajs, adv.buckets, adv.A)
                       for st, b, a in zip(t.steps, b_t, a_t) if b is not None and st.valid and counts[b] == 1]
     return {"mean_s_by_step": {k: sum(v) / len(v) for k, v in sorted(by.items())},
             "corr_excess_searches": corr, "singleton_buckets": singletons}
@@ -206,7 +208,7 @@ def study_hook(args) -> arco.Hook:
     run_dir = Path(args.out_dir) / args.dataset / args.name
 
     def hook(u: arco.Update) -> None:
-        u.row.update(credit_stats(u.trajs, u.s, u.A, u.info))
+        u.row.update(credit_stats(u.trajs, u.s, u.adv))
         if (u.batch + 1) % EVAL_EVERY or u.batch + 1 >= u.batches:
             return
         dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.eval_size, args.seed)[:CURVE_SIZE]
@@ -218,10 +220,11 @@ def study_hook(args) -> arco.Hook:
     return hook
 
 
-def arm_credit(options: dict) -> arco.Credit:
-    """An arm's changes to Algorithm 1, by the seam's names: an oracle's step scores in place of μ's (lab/truth.py's
-    scorers; then no μ), the mixed estimator."""
-    return arco.Credit(scorer=options.get("credit", "mu"), estimator="mixed" if options.get("mixed") else "arco")
+def arm_credit(options: dict) -> dict:
+    """An arm's changes to Algorithm 1, by the seam's names (arco.py's --scorer, --estimator, --plugin): an oracle's
+    step scores in place of μ's (lab/truth.py's scorers; then no μ), the mixed estimator (this module's)."""
+    return {"scorer": options.get("credit", "mu"), "estimator": "mixed" if options.get("mixed") else "arco",
+            "plugin": ["lab.study"]}
 
 
 # --- the μ-quality ladder (no RL) ------------------------------------------------------------------------------
@@ -463,7 +466,7 @@ def run_once(args: arco.Args, options: dict | None = None) -> Path:
         args.resume = (run_dir / "args.json").is_file()
         print(f"[study] {args.name}: {'resuming' if args.resume else 'starting'}", flush=True)
         write_json(run_dir / "lab.json", {**options, "eval_every": EVAL_EVERY, "curve_size": CURVE_SIZE})
-        return arco.run(args, credit=arm_credit(options), hooks=[study_hook(args)])
+        return arco.run(dataclasses.replace(args, **arm_credit(options)), hooks=[study_hook(args)])
 
 
 @contextlib.contextmanager

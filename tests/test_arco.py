@@ -1,5 +1,6 @@
 """arco.py: the policy update against a hand computation on a tiny model, and Algorithm 1 end to
 end (warmup → sparse epoch → dense epoch → evaluation → report), with --resume after a kill."""
+import dataclasses
 import json
 import os
 
@@ -199,7 +200,7 @@ def test_rubric_update_moves_lora_and_head_and_lowers_the_decomposition_error(ti
         s = mu.score(contexts, rubrics).s.tolist()
         bb.engine = PLAIN                                   # each step's KL by one ordinary pass per sequence
         kl = list(passes.training_passes(bb, mu.scoring_ids(contexts, rubrics), [len(r.token_ids) for r in rubrics],
-                                     kl=True, budget=None))
+                                         budget=None, kl=arco.token_kl, reference=arco.reference))
         bb.engine = FAST
     step_kl = [float(p.kl[0][p.mask[0]].mean()) for p in kl]
     n0 = len(trajs[0].steps)
@@ -374,14 +375,14 @@ def test_the_whole_loop_writes_the_same_numbers_on_both_engines(tiny_run, tiny_d
 
 @pytest.mark.parametrize("credit", ["projection", "causal"])
 def test_the_ground_truth_arms_score_steps_by_their_ground_truth(tiny_run, tiny_dir, credit):
-    """The study's oracle arms through the core's one seam (arco.run(args, credit=study.arm_credit(...)), issues
+    """The study's oracle arms through the core's one seam (--scorer, --plugin: study.arm_credit(...)), issues
     33 and 41): no μ is loaded or trained, and the dense epoch's s_t are truth.ground_truth_scores of each step (its
     labels from the trace row), Σ_t s_t = R(τ); for the causal oracle G_t = R − Φ(h_t), Φ the share of the
     chain's paragraphs found before step t."""
     warm = tiny_run / "synthetic" / "warmup"
     args = arco.resolve_args(settings.parse_args(arco.Args, tiny_args(tiny_dir, tiny_run, warmup_dir=warm,
                                                                     name=f"{credit}-oracle")))
-    run = arco.run(args, credit=study.arm_credit({"credit": credit}))
+    run = arco.run(dataclasses.replace(args, **study.arm_credit({"credit": credit})))
     assert run == tiny_run / "synthetic" / f"{credit}-oracle"
     assert not (run / "checkpoints" / "epoch_2" / "mu").exists()
     updates = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "update"]

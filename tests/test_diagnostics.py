@@ -15,9 +15,11 @@ import pytest
 
 from lab import study
 import env
-from lab.diagnostics import (auc, best_threshold, binding_item, cohen_kappa, crossfit_judge, judge_stats, mean_ci,
-                      proportion_ci, redundancy, redundancy_summary,
-                      spearman, step_count_reference, step_usefulness)
+from infra.runs import auc
+from lab.mu_credit import crossfit_judge, step_count_reference
+from lab.stats import (best_threshold, binding_item, cohen_kappa, judge_stats, mean_ci, proportion_ci, redundancy,
+                       redundancy_summary, spearman)
+from lab.truth import step_usefulness
 
 
 # --------------------------------------------------------------------------- AUC

@@ -19,8 +19,8 @@ import pytest
 
 import arco
 import env
-from lab import diagnostics as dg
-from lab import study
+from infra.runs import auc
+from lab import compare, diagnostics, mu_credit, stats, study, truth
 import rubric_model as rm
 import warmup
 from conftest import ChatServer
@@ -56,7 +56,7 @@ def evals_of(run):
 def main(argv):
     """diagnostics.py as its command line runs it (main_guard: one-line errors exit 2); its exit status."""
     try:
-        main_guard(lambda: dg.main([str(a) for a in argv]), env.DataError, models.ModelLoadError)
+        main_guard(lambda: diagnostics.main([str(a) for a in argv]), env.DataError, models.ModelLoadError)
     except SystemExit as e:
         return e.code
     return 0
@@ -93,7 +93,7 @@ def test_trajectory_scores_by_type_by_hand():
             _row("3hop1", ["1850"], "1850", False, ["search", "search", "search", "invalid"]),   # unfinished: 0
             _row("3hop2", ["1850"], "1850", True, ["finish"]),                                  # EM 1
             _row("", ["a"], "b", True, ["finish"])]
-    got = dg.trajectory_scores(rows)
+    got = compare.trajectory_scores(rows)
     assert list(got["by_type"]) == ["3hop", "bridge", "unknown"]        # MuSiQue hop count from the id prefix
     # "Eiffel" vs "eiffel tower": precision 1, recall 1/2 -> F1 2/3
     assert got["by_type"]["bridge"] == pytest.approx({"n": 2, "em": 50.0, "f1": 100 * (1 + 2 / 3) / 2,
@@ -103,7 +103,7 @@ def test_trajectory_scores_by_type_by_hand():
                                                     "invalid_rate": 1 / 5, "finished_rate": 0.5})
     assert got["n"] == 5 and got["em"] == pytest.approx(40.0) and got["f1"] == pytest.approx(100 * (2 + 2 / 3) / 5)
     assert got["mean_searches"] == pytest.approx(6 / 5) and got["invalid_rate"] == pytest.approx(2 / 12)   # 12 steps
-    assert [dg.question_type(t) for t in ("2hop", "4hop1", "comparison", "bridge_comparison", None)] == \
+    assert [compare.question_type(t) for t in ("2hop", "4hop1", "comparison", "bridge_comparison", None)] == \
         ["2hop", "4hop", "comparison", "bridge_comparison", "unknown"]
 
 
@@ -113,9 +113,9 @@ def test_paired_difference_by_hand():
     # questions a, b, c in both; d only after (left out). Differences (after − before, EM %):
     # a 100 − 0 = 100, b 100 − 100 = 0, c 0 − 100 = −100 → mean 0; sd = sqrt((100² + 0 + 100²) / 2) = 100;
     # half-width 1.96 · 100 / √3 = 113.16
-    d = dg.paired_difference({"a": 0.0, "b": 100.0, "c": 100.0}, {"a": 100.0, "b": 100.0, "c": 0.0, "d": 100.0})
+    d = compare.paired_difference({"a": 0.0, "b": 100.0, "c": 100.0}, {"a": 100.0, "b": 100.0, "c": 0.0, "d": 100.0})
     assert d == pytest.approx({"n": 3, "delta_em": 0.0, "half_width": 1.96 * 100 / 3 ** 0.5})
-    assert dg.paired_difference({"a": 0.0}, {"b": 100.0}) is None
+    assert compare.paired_difference({"a": 0.0}, {"b": 100.0}) is None
 
 
 def test_method_rows_pool_the_seeds_of_each_method(tmp_path):
@@ -129,14 +129,14 @@ def test_method_rows_pool_the_seeds_of_each_method(tmp_path):
         for epoch, em in ((0, before), (2, after)):
             (folder / "traces" / f"eval_epoch_{epoch}.jsonl").write_text(
                 "".join(json.dumps({"id": q, "reward": r}) + "\n" for q, r in em.items()))
-        runs.append(dg.Run(folder, folder.name, {}, "epoch_2", 2, True, tmp_path))
+        runs.append(compare.Run(folder, folder.name, {}, "epoch_2", 2, True, tmp_path))
         rows.append({"system": folder.name, "run": str(folder), "reward": "arco", "rubric": "adaptive", "k": 3,
                      "em": 100.0, "f1": 100.0})
     rows.append({"system": "SFT only", "em": 0.0, "f1": 0.0})                  # a warmup row: no run, left out
-    (m,) = dg.method_rows(rows, runs)
+    (m,) = compare.method_rows(rows, runs)
     assert (m["method"], m["runs"], m["em"], m["em_spread"], m["sft_only_em"]) == ("ARCO", 2, 100.0, 0.0, 25.0)
     assert m["vs_sft_only"] == pytest.approx({"n": 4, "delta_em": 75.0, "half_width": 49.0})
-    assert [dg.method_of(r) for r in ({"reward": "outcome"}, {"reward": "arco", "rubric": "none", "k": 3},
+    assert [compare.method_of(r) for r in ({"reward": "outcome"}, {"reward": "arco", "rubric": "none", "k": 3},
                                       {"reward": "arco", "rubric": "adaptive", "k": 5},
                                       {"reward": "arco", "rubric": "adaptive", "k": 3, "mu_data": "policy"},
                                       {"reward": "arco", "rubric": "adaptive", "k": 3, "mu_data": "teacher"})] == \
@@ -155,14 +155,14 @@ def test_method_rows_keep_runs_of_different_settings_apart(tmp_path):
             (folder / "traces" / f"eval_epoch_{epoch}.jsonl").write_text(json.dumps({"id": "q", "reward": epoch}) + "\n")
         args = {"reward": "outcome", "seed": seed, "name": name, "group_size": group, "pi_lr_sparse": 2e-4,
                 "pi_lr_dense": dense_lr, "fork_from": f"runs/sparse-s{seed}/checkpoints/epoch_2"}
-        runs.append(dg.Run(folder, name, args, "epoch_1", 1, True, tmp_path))
+        runs.append(compare.Run(folder, name, args, "epoch_1", 1, True, tmp_path))
         rows.append({"system": name, "run": str(folder), "reward": "outcome", "em": 100.0, "f1": 100.0})
-    got = {m["method"]: m["runs"] for m in dg.method_rows(rows, runs)}
+    got = {m["method"]: m["runs"] for m in compare.method_rows(rows, runs)}
     assert got == {"outcome RL (--group-size 4)": 2, "outcome RL (--group-size 2)": 1}
-    assert [m["method"] for m in dg.method_rows(rows[:2], runs[:2])] == ["outcome RL"]
+    assert [m["method"] for m in compare.method_rows(rows[:2], runs[:2])] == ["outcome RL"]
     for row, run in zip(rows, runs):                      # as ARCO runs, the dense learning rate matters
         row["reward"] = run.args["reward"] = "arco"
-    assert len(dg.method_rows(rows[:2], runs[:2])) == 2
+    assert len(compare.method_rows(rows[:2], runs[:2])) == 2
 
 
 def test_the_arms_pair_against_outcome_rl_at_their_own_sparse_settings(tmp_path):
@@ -181,11 +181,11 @@ def test_the_arms_pair_against_outcome_rl_at_their_own_sparse_settings(tmp_path)
         for epoch, ems in ((0, (0, 0)), (1, em)):
             (folder / "traces" / f"eval_epoch_{epoch}.jsonl").write_text(
                 "".join(json.dumps({"id": q, "reward": r}) + "\n" for q, r in zip(("q1", "q2"), ems)))
-        runs.append(dg.Run(folder, name, {"reward": reward, "seed": 0, "name": name, "pi_lr_sparse": lr,
+        runs.append(compare.Run(folder, name, {"reward": reward, "seed": 0, "name": name, "pi_lr_sparse": lr,
                                           "pi_lr_dense": dense_lr}, "epoch_1", 1, True, tmp_path))
         rows.append({"system": name, "run": str(folder), "reward": reward, "rubric": "adaptive", "em": 50.0 * sum(em),
                      "f1": 0.0})
-    methods = dg.method_rows(rows, runs)
+    methods = compare.method_rows(rows, runs)
     got = {m["method"]: m["vs_outcome"] for m in methods}
     assert got["outcome RL (--pi-lr-sparse 0.0005)"] is None
     assert got["ARCO"] == pytest.approx({"n": 2, "delta_em": 50.0, "half_width": 1.96 * 2 ** 0.5 * 50 / 2 ** 0.5})
@@ -214,7 +214,7 @@ def test_comparison_of_two_runs_reuses_their_own_evaluations(runs, monkeypatch, 
         recorded = evals_of(run)[epoch]
         assert {k: r[k] for k in ("n", "em", "f1", "mean_searches", "invalid_rate")} == \
             {k: recorded[k] for k in ("n", "em", "f1", "mean_searches", "invalid_rate")}
-        traces = dg.trajectory_scores(read_jsonl(run / "traces" / f"eval_epoch_{epoch}.jsonl"))
+        traces = compare.trajectory_scores(read_jsonl(run / "traces" / f"eval_epoch_{epoch}.jsonl"))
         # the breakdown comes from the run's greedy dev trajectories, and they agree with its metrics
         assert r["by_type"] == traces["by_type"]
         assert {k: traces[k] for k in ("em", "f1", "mean_searches", "invalid_rate")} == \
@@ -309,7 +309,7 @@ def test_bad_commands_exit_2_with_a_clear_message(runs, tmp_path, capsys):
 
 def test_untrained_mu_is_the_base_backbone_with_a_seeded_fresh_head(runs):
     warm = runs / "warmup" / "mu_sft"
-    a, b, c = (dg.untrained_mu(warm, "cpu", seed) for seed in (3, 3, 4))
+    a, b, c = (mu_credit.untrained_mu(warm, "cpu", seed) for seed in (3, 3, 4))
     trained = rm.RubricModel.load(warm, device="cpu", engine=FAST)
     assert a.k == trained.k and a.rubric_mode == trained.rubric_mode and a.examples == trained.examples
     for key, value in a.head.state_dict().items():
@@ -405,14 +405,14 @@ def test_diagnose_credit_assignment_on_heldout_oracle_trajectories(diagnosed, ru
     obs_chars = json.loads((run / "args.json").read_text())["obs_chars"]
     trajs, metas = warmup.OracleTeacher(env, seed=0, obs_chars=obs_chars).rollout(
         [(ex, s) for ex in examples for s in range(2)], env.Retriever())
-    labels = [dg.step_usefulness(t) for t in trajs]
+    labels = [truth.step_usefulness(t) for t in trajs]
     assert h["trajectories"] == 6 and h["variants"]["gold"] == 3 and sum(h["variants"].values()) == 6
     assert h["steps"] == sum(len(t.steps) for t in trajs) and h["useful_steps"] == sum(map(sum, labels))
     assert h["reward_1"] == sum(t.reward for t in trajs) >= 3                 # every gold trajectory is right
     assert 0 < h["useful_steps"] < h["steps"]                                  # both classes present
-    assert h["auc_length_vs_R"] == dg.auc([len(t.steps) for t in trajs], [t.reward == 1 for t in trajs])
+    assert h["auc_length_vs_R"] == auc([len(t.steps) for t in trajs], [t.reward == 1 for t in trajs])
     assert f"the number of steps alone has AUC {h['auc_length_vs_R']:.3f} for R" in (run / "diagnostics.md").read_text()
-    by_count = dg.auc([-len(t.steps) for t in trajs for _ in t.steps], [y for lt in labels for y in lt])
+    by_count = auc([-len(t.steps) for t in trajs for _ in t.steps], [y for lt in labels for y in lt])
     assert h["auc_step_count"] == max(by_count, 1 - by_count)
     assert f"how many steps the trajectory has reaches {h['auc_step_count']:.3f}" in (run / "diagnostics.md").read_text()
     stages = d["credit"]["stages"]
@@ -436,7 +436,7 @@ def test_diagnose_credit_assignment_on_heldout_oracle_trajectories(diagnosed, ru
     assert [s["stage"] for s in stages if "judge_fitted" in s] == ["epoch_2"] == [d["credit"]["selected_stage"]]
     fitted = stages[3]["judge_fitted"]
     rows = read_jsonl(run / "traces" / "epoch_2.jsonl")
-    expected = dg.best_threshold([sum(st["s"] for st in r["steps"]) for r in rows], [r["reward"] == 1 for r in rows])
+    expected = stats.best_threshold([sum(st["s"] for st in r["steps"]) for r in rows], [r["reward"] == 1 for r in rows])
     assert fitted["threshold"] == pytest.approx(expected) and fitted["fitted_on_trajectories"] == len(rows)
     assert fitted["n"] == 6 and fitted["true_pass"] + fitted["false_fail"] == h["reward_1"]
     # μ's own rollouts: epoch 1 is the tiny policy's (no useful step: AUC undefined); epoch 2 the oracle's,
@@ -454,7 +454,7 @@ def test_diagnose_binding_with_the_embedding_and_the_api_judge(diagnosed, runs):
     rows = read_jsonl(run / "traces" / "epoch_2.jsonl")
     b = d["runs"]["arco-oracle"]["binding"]
     steps = sum(len(r["steps"]) for r in rows)
-    distinct = [len({dg.step_action_text(st) for st in r["steps"]}) for r in rows]
+    distinct = [len({mu_credit.step_action_text(st) for st in r["steps"]}) for r in rows]
     # a step is an item when its trajectory has another distinct action; min(4, distinct) candidates
     chance = [1 / min(4, m) for r, m in zip(rows, distinct) if m > 1 for _ in r["steps"]]
     with_item = len(chance)
@@ -470,7 +470,7 @@ def test_diagnose_binding_with_the_embedding_and_the_api_judge(diagnosed, runs):
     o = b["openai"]                                                 # the fake judge: always right, Spec 5 / 3
     assert o["model"] == "fake-judge" and o["items"] == 6
     assert o["bind"]["all"]["bind"] == 100.0 and o["bind"]["all"]["n"] == 6 and o["bind"]["all"]["unscored"] == 0
-    assert o["bind"]["all"]["ci95"] == pytest.approx([100 * x for x in dg.proportion_ci(6, 6)])
+    assert o["bind"]["all"]["ci95"] == pytest.approx([100 * x for x in stats.proportion_ci(6, 6)])
     n_search = o["bind"]["search"]["n"]
     assert o["spec"]["search"] == {"n": n_search, "spec": 5.0, "half_width": 0.0, "unscored": 0}
     assert o["spec"]["finish"]["spec"] == (3.0 if n_search < 6 else None) and o["spec"]["all"]["n"] == 6

@@ -46,11 +46,12 @@ trajs = [t for t, _ in got]
 s = torch.tensor([x for _, xs in got for x in xs])
 args = arco.resolve_args(arco.parse_args(arco.Args, ["--dataset", "synthetic", "--no-bucket-fallback",
                                                      "--sparse-baseline", "batch"]))
-A, info = arco.advantages(trajs, s, True, args)
-A_sparse, _ = arco.advantages(trajs, None, False, args)
+dense = arco.advantages(arco.CreditBatch(trajs, s, True, args))
+A, means = dense.A, dense.mean_G_per_bucket
+A_sparse = arco.advantages(arco.CreditBatch(trajs, None, False, args)).A
 total = workers.total(float(len(workers.own(range(3)))))
 if workers.main:
-    json.dump({"A": A, "means": info["mean_G_per_bucket"], "A_sparse": A_sparse, "n": total,
+    json.dump({"A": A, "means": means, "A_sparse": A_sparse, "n": total,
                "share": [workers.part(5).start, workers.part(5).stop]}, open(sys.argv[1], "w"))
 workers.end()
 """

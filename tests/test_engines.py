@@ -13,6 +13,7 @@ import arco
 import env
 from infra import fast
 import rubric_model as rm
+from rubric_model import mean_pool
 from test_arco import numbers, read_jsonl, tiny_args
 from infra import models
 from infra import passes
@@ -64,13 +65,17 @@ def test_the_passes_of_both_engines_hold_the_same_numbers(tiny_any_dir, budget):
         for p in params:
             p.grad = None
         rows = {}
-        for p in passes.training_passes(bb, seqs, lens, kl=True, budget=budget, units=units):
+        tp = passes.training_passes(bb, seqs, lens, budget=budget, units=units, kl=arco.token_kl,
+                                    reference=arco.reference, hidden=True)
+        for p in tp:
             loss = 0.0
+            pooled = mean_pool(p.hidden, p.hidden_mask)                      # Eq. 2's h̄, rubric_model's function
             for j, i in enumerate(p.index):
                 r = lens[i]
-                rows[i] = (p.logprobs[j, :r].detach(), p.kl[j, :r].detach(), p.pooled[j].detach(), p.mask[j].sum())
-                loss = loss + p.logprobs[j, :r].sum() * (i + 1) + p.kl[j, :r].sum() + p.pooled[j].square().sum() * 1e-3
+                rows[i] = (p.logprobs[j, :r].detach(), p.kl[j, :r].detach(), pooled[j].detach(), p.mask[j].sum())
+                loss = loss + p.logprobs[j, :r].sum() * (i + 1) + p.kl[j, :r].sum() + pooled[j].square().sum() * 1e-3
             loss.backward()
+        tp.backward_shared()
         got[engine] = rows, [p.grad.clone() for p in params]
     (plain, g_plain), (fast, g_fast) = got["plain"], got["fast"]
     assert sorted(plain) == sorted(fast) == [0, 1, 2, 3]
@@ -87,7 +92,7 @@ def dense_iteration(pi, mu, trajs, engine="fast"):
     """One dense iteration's numbers at learning rate 0: μ's s_t, A_t, both updates' logs and every gradient."""
     args = arco.resolve_args(arco.Args(token_reduction="mean", kl_mu=0.05, engine=engine, pass_tokens=200))
     contexts, rubrics, d, s = arco.annotate(mu, trajs, args)
-    A, _ = arco.advantages(trajs, s, True, args)
+    A = arco.advantages(arco.CreditBatch(trajs, s, True, args)).A
     opt_pi = torch.optim.SGD(models.trainable_parameters(pi.model), lr=0.0)
     policy = arco.policy_update(pi, opt_pi, trajs, A, args, 0.05)
     opt_mu = torch.optim.SGD(mu.parameter_groups(0.0, 0.0), lr=0.0)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from lab import diagnostics
+from lab import datacheck
 
 import env
 from conftest import REPO
@@ -133,7 +133,7 @@ def test_skip_reasons(tmp_path):
 
 @pytest.mark.parametrize("dataset,n_train,n_dev", [("hotpotqa", 400, 300), ("2wiki", 400, 100), ("musique", 299, 296)])
 def test_shared_data_every_example_loads(data_dir, dataset, n_train, n_dev):
-    rows = diagnostics.load_report([dataset], ["train", "dev"], data_dir)
+    rows = datacheck.load_report([dataset], ["train", "dev"], data_dir)
     assert [(r["split"], r["loaded"], r["skipped"]) for r in rows] == [("train", n_train, "0"), ("dev", n_dev, "0")]
     for ex in env.load_split(dataset, "dev", data_dir=data_dir):
         assert ex.question and ex.answers[0] and len(ex.paragraphs) >= 2 and ex.supporting
@@ -249,7 +249,7 @@ def test_retrieval_hit_rate_arithmetic():
     class Fixed:  # query "A" -> paragraph 1 (a supporting one, not its own); "B" -> 2 (a miss)
         def retrieve(self, examples, queries):
             return [{"A": 1, "B": 2}[q] for q in queries]
-    assert diagnostics.retrieval_hit_rate([ex], Fixed()) == {"queries": 2, "supporting_hit": 0.5, "same_paragraph": 0.0}
+    assert datacheck.retrieval_hit_rate([ex], Fixed()) == {"queries": 2, "supporting_hit": 0.5, "same_paragraph": 0.0}
 
 
 def test_retriever_encodes_normalized_and_caches(retriever):

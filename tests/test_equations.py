@@ -150,10 +150,10 @@ def test_sparse_advantages_group_and_batch_baselines_by_hand():
              trajectory("q1", 0.0, [("invalid", False), ("finish", True)]),
              trajectory("q2", 0.0, [("finish", True)]),
              trajectory("q2", 0.0, [("search", True), ("finish", True)])]
-    A, info = arco.advantages(trajs, None, False, phase_args(sparse_baseline="group"))
+    adv = arco.advantages(arco.CreditBatch(trajs, None, False, phase_args(sparse_baseline="group")))
     # q1's group mean 0.5: +0.5 / -0.5 on every valid step, 0 on the invalid one; q2's group mean 0: 0
-    assert A == [[0.5, 0.5], [0.0, -0.5], [0.0], [0.0, 0.0]] and info == {}
-    A, _ = arco.advantages(trajs, None, False, phase_args(sparse_baseline="batch"))
+    assert adv == arco.Advantages([[0.5, 0.5], [0.0, -0.5], [0.0], [0.0, 0.0]])       # nothing else to log
+    A = arco.advantages(arco.CreditBatch(trajs, None, False, phase_args(sparse_baseline="batch"))).A
     # batch mean 1/4: 0.75 for the success, -0.25 for the failures
     approx_rows(A, [[0.75, 0.75], [0.0, -0.25], [-0.25], [-0.25, -0.25]])
 
@@ -164,13 +164,13 @@ def test_dense_advantages_by_hand():
     s = torch.tensor([0.4, 0.4, 0.2, 4.6, 0.1, 0.3])
     # G: [1.0, 0.6, 0.2] and [5.0, 0.4, 0.3]; the invalid step (G = 5.0) enters no bucket:
     # search_1 (1.0 + 0.4)/2 = 0.7, search_2 0.6 alone, terminal (0.2 + 0.3)/2 = 0.25
-    A, info = arco.advantages(trajs, s, True, phase_args(alpha=1.0))
-    approx_rows(A, [[0.3, 0.0, -0.05], [0.0, -0.3, 0.05]])
-    approx_rows(info["G"], [[1.0, 0.6, 0.2], [5.0, 0.4, 0.3]])
-    assert info["buckets"] == [["search_1", "search_2", "terminal"], [None, "search_1", "terminal"]]
-    assert info["mean_G_per_bucket"] == pytest.approx({"search_1": 0.7, "search_2": 0.6, "terminal": 0.25})
+    adv = arco.advantages(arco.CreditBatch(trajs, s, True, phase_args(alpha=1.0)))
+    approx_rows(adv.A, [[0.3, 0.0, -0.05], [0.0, -0.3, 0.05]])
+    approx_rows(adv.G, [[1.0, 0.6, 0.2], [5.0, 0.4, 0.3]])
+    assert adv.buckets == [["search_1", "search_2", "terminal"], [None, "search_1", "terminal"]]
+    assert adv.mean_G_per_bucket == pytest.approx({"search_1": 0.7, "search_2": 0.6, "terminal": 0.25})
     # the release's fallback: search_2's one step takes the mean G of the 5 valid steps, 2.5/5 = 0.5
-    A, _ = arco.advantages(trajs, s, True, phase_args(alpha=1.0, bucket_fallback=True))
+    A = arco.advantages(arco.CreditBatch(trajs, s, True, phase_args(alpha=1.0, bucket_fallback=True))).A
     approx_rows(A, [[0.3, 0.1, -0.05], [0.0, -0.3, 0.05]])
 
 
@@ -182,12 +182,11 @@ def test_mixed_advantages_by_hand():
     s = torch.tensor([0.4, 0.4, 0.2, 4.6, 0.1, 0.3])
     # dense part as in test_dense_advantages_by_hand: [0.3, 0.0, -0.05], [0, -0.3, 0.05]; outcome: q1's mean
     # 0.5, so +0.5 and -0.5
-    A, _ = study.mixed_advantages(trajs, s, True, phase_args(alpha=1.0, dense_samples=2))
-    approx_rows(A, [[0.8, 0.5, 0.45], [0.0, -0.8, -0.45]])
-    A, _ = study.mixed_advantages(trajs, s, True, phase_args(alpha=1.0, sparse_baseline="batch", dense_samples=2))
-    approx_rows(A, [[0.8, 0.5, 0.45], [0.0, -0.8, -0.45]])       # one question: the batch mean is its mean
-    assert study.mixed_advantages(trajs, s, False, phase_args(alpha=1.0, dense_samples=2))[0] == \
-        arco.advantages(trajs, s, False, phase_args(alpha=1.0, dense_samples=2))[0]
+    batch = lambda dense, **kw: arco.CreditBatch(trajs, s, dense, phase_args(alpha=1.0, dense_samples=2, **kw))  # noqa
+    approx_rows(study.mixed_advantages(batch(True)).A, [[0.8, 0.5, 0.45], [0.0, -0.8, -0.45]])
+    approx_rows(study.mixed_advantages(batch(True, sparse_baseline="batch")).A,
+                [[0.8, 0.5, 0.45], [0.0, -0.8, -0.45]])                    # one question: the batch mean is its mean
+    assert study.mixed_advantages(batch(False)) == arco.advantages(batch(False))
 
 
 def test_credit_stats_by_hand():
@@ -197,8 +196,8 @@ def test_credit_stats_by_hand():
              trajectory("q2", 0.0, [("invalid", False), ("search", True), ("finish", True)]),
              trajectory("q3", 0.0, [("search", True), ("finish", True)])]
     s = torch.tensor([0.4, 0.4, 0.2, 4.6, 0.1, 0.3, 0.5, -0.5])
-    A, info = arco.advantages(trajs, s, True, phase_args(alpha=1.0))
-    stats = study.credit_stats(trajs, s, A, info)
+    adv = arco.advantages(arco.CreditBatch(trajs, s, True, phase_args(alpha=1.0)))
+    stats = study.credit_stats(trajs, s, adv)
     assert stats["mean_s_by_step"] == pytest.approx({"search@1": 0.45, "search@2": 0.25, "finish@3": 0.25,
                                                      "finish@2": -0.5})
     # Σ s − R: 0.0, 5.0, 0.0 against 2, 1, 1 searches: r = −0.5 (by hand: deviations (−5/3, 10/3, −5/3) and
@@ -206,15 +205,15 @@ def test_credit_stats_by_hand():
     assert stats["corr_excess_searches"] == pytest.approx(-0.5, abs=1e-6)
     # search_2 holds one step (q1's second search): Eq. 4 gives it advantage 0
     assert stats["singleton_buckets"] == [{"bucket": "search_2", "action": "search", "A": 0.0}]
-    assert study.credit_stats(trajs, None, A, {}) == {}
+    assert study.credit_stats(trajs, None, arco.Advantages(adv.A)) == {}
     # Buckets of two are not singletons: here search_1, search_2 and the terminal bucket hold two steps each,
     # search_3 one (the first trajectory's third search)
     pair = [trajectory("a", 1.0, [("search", True)] * 3 + [("finish", True)]),
             trajectory("b", 0.0, [("search", True)] * 2 + [("finish", True)])]
     s2 = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0, 0.0, 0.0])
-    A2, info2 = arco.advantages(pair, s2, True, phase_args(alpha=1.0))
-    assert study.credit_stats(pair, s2, A2, info2)["singleton_buckets"] == \
+    adv2 = arco.advantages(arco.CreditBatch(pair, s2, True, phase_args(alpha=1.0)))
+    assert study.credit_stats(pair, s2, adv2)["singleton_buckets"] == \
         [{"bucket": "search_3", "action": "search", "A": 0.0}]
     # The oracles' Σ_t s_t = R up to rounding: no correlation of rounding error with length
     s = torch.tensor([0.1, 0.2, 0.7, 0.3, 0.3, -0.6, 0.3, -0.3]) + 1e-7 * torch.arange(8.0)   # sums 1, 0, 0
-    assert study.credit_stats(trajs, s, A, info)["corr_excess_searches"] is None
+    assert study.credit_stats(trajs, s, adv)["corr_excess_searches"] is None

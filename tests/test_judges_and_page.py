@@ -14,7 +14,8 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 
-from lab import diagnostics as dg
+from lab import judges, mu_credit, plots
+from lab.page import trajectories_html
 from conftest import ChatServer
 
 KEY = "sk-judge-test-key-9876543210"
@@ -23,13 +24,13 @@ KEY = "sk-judge-test-key-9876543210"
 
 
 def test_bind_prompt_shows_rubric_and_lettered_candidates_only():
-    msgs = dg.bind_messages(["names Hans Schlegel", "asks for a birth date"],
+    msgs = judges.bind_messages(["names Hans Schlegel", "asks for a birth date"],
                             ["Search[Hans Schlegel birth date]", "Search[Bertalan Farkas]", "Finish[1951]", "Search[x]"])
     user = msgs[-1]["content"]
     assert "1. names Hans Schlegel\n2. asks for a birth date" in user
     assert "A. Search[Hans Schlegel birth date]\nD. Search[x]" in user.replace("\nB. Search[Bertalan Farkas]\nC. Finish[1951]", "")
     assert "A, B, C, D" in user and "Question" not in user
-    spec = dg.spec_messages("Who was born first?", "", "Search[Hans Schlegel]", ["c1"])[-1]["content"]
+    spec = judges.spec_messages("Who was born first?", "", "Search[Hans Schlegel]", ["c1"])[-1]["content"]
     assert "Question: Who was born first?" in spec and "Search[Hans Schlegel]" in spec and "1. c1" in spec
     assert "(none: this is the first step)" in spec
 
@@ -41,7 +42,7 @@ def test_bind_prompt_shows_rubric_and_lettered_candidates_only():
     ("", None), ("I cannot tell.", None), ("A or B, hard to say", None), ("option A, or option B", None),
 ])
 def test_parse_choice(reply, index):
-    assert dg.parse_choice(reply, 4) == index
+    assert judges.parse_choice(reply, 4) == index
 
 
 @pytest.mark.parametrize("reply,rating", [
@@ -50,7 +51,7 @@ def test_parse_choice(reply, index):
     ("four", None), ("4.5", None), ("between 3 and 4", None), ("", None),
 ])
 def test_parse_rating(reply, rating):
-    assert dg.parse_rating(reply) == rating
+    assert judges.parse_rating(reply) == rating
 
 
 # ----------------------------------------------------------------------------- a fake OpenAI-compatible judge
@@ -96,7 +97,7 @@ CANDIDATES = ["Search[Hans Schlegel birth date]", "Search[Bertalan Farkas birth 
 
 
 def judge(api, **kw):
-    return dg.OpenAIJudge("fake-judge", base_url=api.url, api_key=KEY, timeout=5.0,
+    return judges.OpenAIJudge("fake-judge", base_url=api.url, api_key=KEY, timeout=5.0,
                           max_retries=kw.pop("max_retries", 2), backoff=0.01, **kw)
 
 
@@ -111,7 +112,7 @@ def test_judge_good_answers_and_environment_settings(fake_api, monkeypatch):
     assert j.counters["prompt_tokens"] == 250
     monkeypatch.setenv("OPENAI_BASE_URL", api.url)      # the openai client's own settings are honoured
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
-    assert dg.OpenAIJudge("fake-judge", timeout=5.0).bind(["case=b"], CANDIDATES) == 1
+    assert judges.OpenAIJudge("fake-judge", timeout=5.0).bind(["case=b"], CANDIDATES) == 1
 
 
 def test_judge_malformed_and_out_of_range_replies_are_unscored(fake_api):
@@ -171,7 +172,7 @@ def test_unscored_items_are_left_out_of_bind_and_spec():
     steps = [{"action": a, "argument": x, "valid": True, "observation": "",
               "criteria": [v, f"{a.capitalize()}[{x}]", r]} for (a, x), (v, r) in zip(actions, verdicts)]
     rows = [{"question": "Q?", "steps": steps}]
-    b = dg.trace_binding(rows, bag_of_words, seed=3, judge=ScriptedJudge(), judge_items=4)
+    b = mu_credit.trace_binding(rows, bag_of_words, seed=3, judge=ScriptedJudge(), judge_items=4)
     o = b["openai"]
     # the unscored item is neither right nor wrong: 2 right of 3 scored, not 2 of 4 or 3 of 4
     assert o["bind"]["all"]["n"] == 3 and o["bind"]["all"]["correct"] == 2 and o["bind"]["all"]["unscored"] == 1
@@ -197,12 +198,12 @@ def bag_of_words(texts):
 
 def test_embedding_bind_picks_the_candidate_closest_to_the_rubric():
     criteria = ["Does the query name Bertalan Farkas?", "Does it ask for his birth date?"]
-    assert dg.embedding_bind(bag_of_words, criteria, CANDIDATES) == 1
-    assert dg.embedding_bind(bag_of_words, ["Is 1951 the final answer?"], CANDIDATES) == 2
+    assert judges.embedding_bind(bag_of_words, criteria, CANDIDATES) == 1
+    assert judges.embedding_bind(bag_of_words, ["Is 1951 the final answer?"], CANDIDATES) == 2
     calls = []
-    dg.embedding_bind(lambda texts: calls.append(texts) or bag_of_words(texts), ["a", "b"], ["x", "y"])
+    judges.embedding_bind(lambda texts: calls.append(texts) or bag_of_words(texts), ["a", "b"], ["x", "y"])
     assert calls == [["a b", "x", "y"]]                            # one batch: the rubric, then the candidates
-    assert dg.embedding_bind(lambda texts: np.ones((len(texts), 3)), ["a"], ["x", "y"]) == 0  # ties: the first
+    assert judges.embedding_bind(lambda texts: np.ones((len(texts), 3)), ["a"], ["x", "y"]) == 0  # ties: the first
 
 
 # ----------------------------------------------------------------------------- the HTML page
@@ -233,7 +234,7 @@ def sample_rows():
 
 
 def test_trajectories_html_is_self_contained_and_escaped():
-    page = dg.trajectories_html(sample_rows(), title="Epoch 3 <samples>")
+    page = trajectories_html(sample_rows(), title="Epoch 3 <samples>")
     assert "<script" not in page and "&lt;script&gt;" in page
     assert "<b>bold</b>" not in page and "&lt;b&gt;bold&lt;/b&gt;" in page
     assert not re.search(r"\b(src|href)=|url\(|@import|https?://", page)   # no external asset
@@ -277,7 +278,7 @@ def chromium():
 def test_page_renders_in_headless_chromium(tmp_path):
     # A control script of our own proves this Chromium runs JavaScript, so the escaped one not
     # running means something.
-    page = dg.trajectories_html(sample_rows()).replace(
+    page = trajectories_html(sample_rows()).replace(
         "</body>", "<script>document.body.setAttribute('data-control', 'ran')</script></body>")
     path = tmp_path / "page.html"
     path.write_text(page, encoding="utf-8")
@@ -323,8 +324,8 @@ def read_png(path):
 def test_plot_dev_em(tmp_path):
     metrics = [{"kind": "eval", "epoch": 0, "em": 20.0}, {"kind": "update", "epoch": 1, "batch": 0},
                {"kind": "eval", "epoch": 2, "em": 31.5}, {"kind": "eval", "epoch": 1, "em": 25.0}]
-    runs = {"arco": dg.dev_em_series(metrics), "sparse": [(0, 20.0), (1, 22.0), (2, 21.0)]}
-    fig = dg.plot_lines(runs, tmp_path / "plots" / "dev_em.png", "Dev EM", "EM")
+    runs = {"arco": plots.dev_em_series(metrics), "sparse": [(0, 20.0), (1, 22.0), (2, 21.0)]}
+    fig = plots.plot_lines(runs, tmp_path / "plots" / "dev_em.png", "Dev EM", "EM")
     assert read_png(tmp_path / "plots" / "dev_em.png").shape == (400, 640, 4)
     assert lines(fig) == {"arco": ([0, 1, 2], [20.0, 25.0, 31.5]), "sparse": ([0, 1, 2], [20.0, 22.0, 21.0])}
 
@@ -332,20 +333,20 @@ def test_plot_dev_em(tmp_path):
 def test_bucket_scores_from_traces_and_plot(tmp_path):
     rows = [dict(r, epoch=e) for e in (1, 2) for r in sample_rows()]
     rows[0]["steps"][0]["s"] = 0.875                              # epoch 1, search_1
-    scores = dg.bucket_mean_scores(rows)
+    scores = plots.bucket_mean_scores(rows)
     assert list(scores) == ["search_1", "terminal"]              # q2's finish has no recorded bucket: derived
     assert scores["search_1"] == [(1, 0.875), (2, 0.375)]
     assert scores["terminal"] == [(1, pytest.approx(-0.25)), (2, pytest.approx(-0.25))]  # mean of 0.25, -0.75
-    fig = dg.plot_lines(scores, tmp_path / "buckets.png", "Buckets", "mean s_t")
+    fig = plots.plot_lines(scores, tmp_path / "buckets.png", "Buckets", "mean s_t")
     assert read_png(tmp_path / "buckets.png").shape == (400, 640, 4)
     assert lines(fig)["search_1"] == ([1, 2], [0.875, 0.375])
 
 
 def test_plot_auc(tmp_path):
-    fig = dg.plot_lines({"AUC": [(2, 0.7), (1, 0.55), (3, None)]}, tmp_path / "auc.png", "AUC", "AUC", chance=0.5)
+    fig = plots.plot_lines({"AUC": [(2, 0.7), (1, 0.55), (3, None)]}, tmp_path / "auc.png", "AUC", "AUC", chance=0.5)
     assert read_png(tmp_path / "auc.png").shape == (400, 640, 4)
     got = lines(fig)
     assert got["AUC"] == ([1, 2], [0.55, 0.7])                   # sorted by epoch; an undefined AUC skipped
     assert got["chance"][1] == [0.5, 0.5]
-    fig = dg.plot_lines({"mu": [(1, 0.6)], "oracle": [(1, 0.9)]}, tmp_path / "auc2.png", "AUC", "AUC", chance=0.5)
+    fig = plots.plot_lines({"mu": [(1, 0.6)], "oracle": [(1, 0.9)]}, tmp_path / "auc2.png", "AUC", "AUC", chance=0.5)
     assert set(lines(fig)) == {"mu", "oracle", "chance"}

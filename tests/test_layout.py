@@ -85,8 +85,9 @@ def test_the_package_and_the_lab_import_cleanly_in_any_order():
 MU = {"mean_pool", "ScoreHead", "RUBRIC_SYSTEM", "RUBRIC_SYSTEM_SLOTS", "SCORE_ONLY_SYSTEM", "RUBRIC_INSTRUCTION",
       "RUBRIC_INSTRUCTION_SLOTS", "SCORE_ONLY_INSTRUCTION", "RUBRIC_OPENING", "_EXAMPLE_QUESTION", "EXAMPLES",
       "STATIC_CRITERIA", "StepContext", "step_text", "rubric_messages", "score_only_messages", "contexts_from_trajectory",
-      "Rubric", "rubric_text", "one_line", "copied_from_prompt", "SlotFrame", "_JSON_STRING", "_TEXT_KEYS",
-      "_as_criterion", "_json_criteria", "parse_slots", "parse_criteria", "StepScores", "RubricModel", "mu_at_work"}
+      "Rubric", "rubric_text", "one_line", "SlotFrame", "_JSON_STRING", "_TEXT_KEYS",
+      "_as_criterion", "_json_criteria", "parse_slots", "parse_criteria", "StepScores", "RubricModel",
+      "MuSettings", "RUBRIC_MODES", "RUBRIC_FORMATS"}
 
 
 def defined(module: str) -> dict[str, ast.AST]:
@@ -181,10 +182,10 @@ def test_the_fast_engine_is_chosen_by_name_not_registered_by_an_import():
 
 
 def test_evaluate_py_holds_only_the_metrics():
-    assert set(defined("evaluate")) <= {"_PUNCTUATION", "_ARTICLES", "_SPECIAL", "normalize_answer", "_aliases",
-                                        "exact_match", "_f1", "f1_score", "score_predictions", "format_table",
-                                        "PredictionError", "_parse_line", "read_predictions", "average_ranks",
-                                        "auc", "report_predictions"}
+    """EM and F1 with the official semantics, their means over a predictions file, and its command; the file reading
+    and the table are the package's."""
+    assert set(defined("evaluate")) == {"_PUNCTUATION", "_ARTICLES", "_SPECIAL", "normalize_answer", "_aliases",
+                                        "exact_match", "_f1", "f1_score", "score_predictions", "main"}
 
 
 # --------------------------------------------------------------------------- the lab: one seam, public names
@@ -227,12 +228,14 @@ def test_the_lab_changes_the_algorithm_only_through_the_registries():
 
 # --------------------------------------------------------------------------- settings: declared once
 def settings_classes() -> list[type]:
-    """Every dataclass a command line is built from (infra.settings' layers, each script's and program's *Args)."""
+    """Every dataclass a command line is built from (infra.settings' layers, the scripts' *Settings, each script's
+    and program's *Args)."""
     out = []
     for module in ALL:
         mod = importlib.import_module(module)
         for node in tree(module).body:
-            if isinstance(node, ast.ClassDef) and (node.name.endswith("Args") or module == "infra.settings") and \
+            if isinstance(node, ast.ClassDef) and (node.name.endswith(("Args", "Settings")) or
+                                                   module == "infra.settings") and \
                     dataclasses.is_dataclass(getattr(mod, node.name, None)):
                 out.append(getattr(mod, node.name))
     return out

@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from infra import memory  # noqa: E402
-import evaluate  # noqa: E402
-from evaluate import (PredictionError, exact_match, f1_score, format_table,  # noqa: E402
-                      normalize_answer, read_predictions, score_predictions)
+from evaluate import exact_match, f1_score, normalize_answer, score_predictions  # noqa: E402
+from infra.files import PredictionError, read_predictions  # noqa: E402
+from infra.report import format_table  # noqa: E402
 
 # (prediction, gold, EM, F1)
 CASES = [
@@ -193,32 +193,7 @@ def test_read_predictions_ok(tmp_path):
     assert read_predictions(str(path), known_ids={"a", "b"}) == {"a": "Paris", "b": ""}
 
 
-# --------------------------------------------------------------------------- scoring a predictions file
-def run_main(path, examples=EXAMPLES, source="fake/dev"):
-    return evaluate.report_predictions(str(path), examples, source)
-
-
-def test_report_predictions(tmp_path, capsys):
-    lines = [json.dumps({"id": k, "answer": v}) for k, v in PREDICTIONS.items()]
-    path = write(tmp_path / "preds.jsonl", lines)
-    assert run_main(path) == 0
-    out, err = capsys.readouterr()
-    table, _, js = out.partition("\n\n")
-    assert table.splitlines()[:3] == ["| type | n | em | f1 |", "|---|---|---|---|", "| all | 4 | 25.00 | 61.67 |"]
-    assert "| bridge | 2 | 50.00 | 90.00 |" in table and "| comparison | 2 | 0.00 | 33.33 |" in table
-    assert json.loads(js)["missing"] == 1
-    assert "1 of 5 examples" in err
-
-
-def test_report_predictions_errors_exit_2(tmp_path, capsys):
-    path = write(tmp_path / "preds.jsonl", [json.dumps({"id": "e1", "answer": "x"}), '{"id": "abc", "answer": "x"}'])
-    assert run_main(path) == 2
-    assert capsys.readouterr().err == f"error: {path}:2: unknown id 'abc' (not in fake/dev)\n"
-
-
-# --------------------------------------------------------------------------- CLI: python -m lab.diagnostics --predictions
-
-
+# --------------------------------------------------------------------------- python evaluate.py PREDICTIONS GOLD
 def hotpot_record(qid, question, answer, qtype):
     return json.dumps({"_id": qid, "question": question, "answer": answer,
                        "supporting_facts": [["Page " + qid, 0]],
@@ -227,9 +202,9 @@ def hotpot_record(qid, question, answer, qtype):
                        "type": qtype, "level": "hard"})
 
 
-def run_cli(tmp_path, pred_lines):
-    data = tmp_path / "data"
-    (data / "hotpotqa").mkdir(parents=True)
+def run_cli(tmp_path, pred_lines, *gold_args, data=None):
+    data = data or tmp_path / "data"
+    (data / "hotpotqa").mkdir(parents=True, exist_ok=True)
     write(data / "hotpotqa" / "dev.jsonl", [
         hotpot_record("q1", "Where is the Louvre?", "Paris", "bridge"),
         hotpot_record("q2", "Which city is bigger?", "New York City", "comparison"),
@@ -237,28 +212,73 @@ def run_cli(tmp_path, pred_lines):
     ])
     preds = write(tmp_path / "preds.jsonl", pred_lines)
     env = {k: v for k, v in os.environ.items() if k != "ARCO_DATA_DIR"}
-    return subprocess.run([sys.executable, "-m", "lab.diagnostics", "--predictions", str(preds), "--dataset", "hotpotqa",
-                           "--split", "dev", "--data-dir", str(data)],
+    args = gold_args or ("--dataset", "hotpotqa", "--split", "dev", "--data-dir", str(data))
+    return subprocess.run([sys.executable, "evaluate.py", str(preds), *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300), preds
 
 
-def test_cli_real_env(tmp_path):
-    proc, _ = run_cli(tmp_path, ['{"id": "q1", "answer": "The Paris"}', '{"id": "q2", "answer": "New York"}',
-                                 '{"id": "q3", "answer": "no"}'])
+def test_cli_scores_a_predictions_file_overall_and_per_type(tmp_path):
+    """`python evaluate.py PREDICTIONS --dataset hotpotqa` and with the gold file named: the table, then the JSON."""
+    lines = ['{"id": "q1", "answer": "The Paris"}', '{"id": "q2", "answer": "New York"}', '{"id": "q3", "answer": "no"}']
+    for gold in ((), (str(tmp_path / "data" / "hotpotqa" / "dev.jsonl"),)):
+        proc, _ = run_cli(tmp_path, lines, *gold)
+        assert proc.returncode == 0, proc.stderr
+        table, _, js = proc.stdout.partition("\n\n")
+        assert table.splitlines()[:3] == ["| type | n | em | f1 |", "|---|---|---|---|", "| all | 3 | 33.33 | 60.00 |"]
+        result = json.loads(js)
+        # q1: EM 1, F1 1; q2: EM 0, F1 P 2/2 R 2/3 → 0.8; q3: EM 0, F1 0 (yes/no)
+        assert (result["n"], result["missing"]) == (3, 0)
+        assert result["em"] == pytest.approx(100 / 3) and result["f1"] == pytest.approx(60.0)
+        assert result["by_type"]["bridge"] == pytest.approx({"n": 1, "em": 100.0, "f1": 100.0})
+        assert result["by_type"]["comparison"] == pytest.approx({"n": 2, "em": 0.0, "f1": 40.0})
+    proc, _ = run_cli(tmp_path, lines[:1])
+    assert proc.returncode == 0 and "2 of 3 questions" in proc.stderr and json.loads(
+        proc.stdout.partition("\n\n")[2])["missing"] == 2
+
+
+def test_cli_errors_are_one_line_with_exit_status_2(tmp_path):
+    proc, preds = run_cli(tmp_path, ['{"id": "q1", "answer": "Paris"}', "", '{"id": "abc", "answer": "x"}'])
+    gold = tmp_path / "data" / "hotpotqa" / "dev.jsonl"
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"error: {preds}:3: unknown id 'abc' (not in {gold})\n"
+    proc, _ = run_cli(tmp_path, ['{"id": "q1", "answer": "Paris"}'], str(tmp_path / "nope.jsonl"))
+    assert proc.returncode == 2 and "nope.jsonl" in proc.stderr
+
+
+# The official HotpotQA script (hotpot_evaluate_v1.py of the public repository hotpotqa/hotpot), run once outside this
+# project on the 200 pairs below — the first 200 questions of ../shared/data/hotpotqa/dev.jsonl, each with the
+# prediction `official_pairs` makes — printed these means (its code is not part of this project).
+OFFICIAL_200 = {"em": 0.35, "f1": 0.5281888666888669}
+
+
+def official_pairs(gold: list[tuple[str, str]]) -> dict[str, str]:
+    """A prediction for each (id, gold answer): the answer itself, upper-cased, with an article and a full stop,
+    with another question's answer after it, its first word, another question's answer, yes or no, doubled,
+    hyphenated, or empty — in turn."""
+    out = {}
+    for i, (qid, ans) in enumerate(gold):
+        other = gold[(i + 7) % len(gold)][1]
+        words = ans.split()
+        out[qid] = [ans, ans.upper(), f"The {ans}.", f"{ans} ({other})", words[0] if words else "", other,
+                    "yes" if ans.lower() != "yes" else "no", f"{ans} {ans}", ans.replace(" ", "-"), ""][i % 10]
+    return out
+
+
+def test_cli_gives_the_official_scripts_em_and_f1_on_200_real_pairs(tmp_path, data_dir):
+    """`python evaluate.py` on 200 real HotpotQA dev questions and predictions of every kind the metrics treat apart
+    (articles, punctuation, case, partial and wrong answers, yes/no, empty) gives the official script's EM and F1."""
+    rows = [json.loads(line) for line in (Path(data_dir) / "hotpotqa" / "dev.jsonl").read_text().splitlines()
+            if line.strip()][:200]
+    gold = write(tmp_path / "gold.jsonl", [json.dumps(r) for r in rows])
+    preds = write(tmp_path / "preds.jsonl", [json.dumps({"id": k, "answer": v})
+                                             for k, v in official_pairs([(r["_id"], r["answer"]) for r in rows]).items()])
+    proc = subprocess.run([sys.executable, "evaluate.py", str(preds), str(gold)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.partition("\n\n")[2])
-    # q1: EM 1, F1 1; q2: EM 0, F1 P 2/2 R 2/3 → 0.8; q3: EM 0, F1 0 (yes/no)
-    assert (result["n"], result["missing"]) == (3, 0)
-    assert result["em"] == pytest.approx(100 / 3) and result["f1"] == pytest.approx(60.0)
-    assert result["by_type"]["bridge"] == pytest.approx({"n": 1, "em": 100.0, "f1": 100.0})
-    assert result["by_type"]["comparison"] == pytest.approx({"n": 2, "em": 0.0, "f1": 40.0})
-
-
-def test_cli_real_env_unknown_id(tmp_path):
-    proc, preds = run_cli(tmp_path, ['{"id": "q1", "answer": "Paris"}', "", '{"id": "abc", "answer": "x"}'])
-    assert proc.returncode == 2
-    assert proc.stderr == f"error: {preds}:3: unknown id 'abc' (not in hotpotqa/dev)\n"
-    assert proc.stdout == ""
+    assert result["n"] == 200 and result["missing"] == 0
+    assert result["em"] == pytest.approx(100 * OFFICIAL_200["em"], abs=1e-9)
+    assert result["f1"] == pytest.approx(100 * OFFICIAL_200["f1"], abs=1e-9)
 
 
 def test_a_phase_hands_what_it_freed_back_to_the_os(monkeypatch):

@@ -108,7 +108,7 @@ def test_activation_bytes_per_token_match_what_autograd_saves(tiny_qwen3_dir, ti
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(100, 1000, (384,), generator=g).tolist()
             seqs, lens = [ids[:256] + ids[256:320], ids[:256] + ids[320:]], [8, 8]      # one packed row of 384
-            ref = fast.reference_logq(bb, seqs, lens)
+            ref = fast.reference_logq(bb, seqs, lens, None, 1.0, arco.reference)
             seen = {}
 
             def pack(t):
@@ -116,7 +116,7 @@ def test_activation_bytes_per_token_match_what_autograd_saves(tiny_qwen3_dir, ti
                     seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
                 return t
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                fast.packed_steps(bb, seqs, lens, None, ref)
+                fast.packed_steps(bb, seqs, lens, None, ref, kl=arco.token_kl)
             per = estimate._token_bytes(bb.model.config.to_dict(), 4 if dtype == "float32" else 2)
             counted = 384 * per["activations"] + 384 ** 2 * per["mask"] + sum(lens) * per["logits"]
             assert counted == pytest.approx(sum(seen.values()) + sum(r.numel() * 4 for r in ref), rel=0.25), \

@@ -584,7 +584,7 @@ def test_the_auc_for_a_noisy_sign_is_corrected_back_to_the_true_one():
     ≈ 0.71. Each half's estimate has its sign flipped with probability 0.2 (independently): the AUC against a half's
     signs falls to ≈ 0.5 + κ·0.21; corrected (flip rate from the halves' agreement), it is the true AUC within 0.03.
     By hand on six steps: halves that always agree give flip 0 and κ 1 (nothing to correct)."""
-    from evaluate import auc
+    from infra.runs import auc
     g = torch.Generator().manual_seed(0)
     n = 4000
     y = (torch.rand(n, generator=g) < 0.3).double() * 2 - 1

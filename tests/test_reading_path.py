@@ -34,9 +34,8 @@ READING_EXCLUDES = {
     "env": {"load_split", "shared_retriever", "Retriever.__init__", "Retriever.encode", "Retriever._paragraphs",
             "synthetic_examples", "parse_hotpot_layout", "Trajectory.to_dict", "_title_index", "_join_sentences",
             "embedded_encoder_path", "read_examples", "training_questions"},
-    "evaluate": {"auc", "average_ranks"},                          # μ at work: the log's AUC
     "rubric_model": {"RubricModel.load", "RubricModel.save", "RubricModel.config", "RubricModel.__init__",
-                     "ScoreHead.__init__", "RubricModel.fresh_adapter", "mu_at_work"},
+                     "ScoreHead.__init__", "RubricModel.fresh_adapter"},
     "warmup": {"ensure", "dev_rank"},
     "arco": {"main", "resolve_args", "make_optimizers", "Credit.check", "start_from", "sft_only_evaluation"},
 }

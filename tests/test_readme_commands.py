@@ -4,6 +4,7 @@ the line is one that program knows; no stale command form survives in README.md,
 PORTING.md except on a line that quotes history as "(as run then; today: …)"; CHOICES.md's flag table names
 exactly the options `arco.py --help` lists; and the README's seam example registers a scorer whose scores sum to R
 and builds its run. Only `--help` runs (in parallel): nothing loads a model or data."""
+import dataclasses
 import os
 import re
 import shlex
@@ -168,13 +169,13 @@ def test_the_readme_seam_example_registers_a_scorer_and_builds_its_run(monkeypat
              any("arco.register_scorer" in line for line in lines)]
     assert len(block) == 1
     ran = []
-    monkeypatch.setattr(arco, "run", lambda args, credit=None, **kw: ran.append((args, credit)))
+    monkeypatch.setattr(arco, "run", lambda args, **kw: ran.append(args))
     monkeypatch.setattr(arco, "SCORERS", dict(arco.SCORERS))             # the example's name is not kept
     exec(compile("\n".join(block[0]), "README.md", "exec"), {})
-    (args, credit), = ran
-    assert isinstance(args, arco.Args) and args.preset == "cpu" and isinstance(credit, arco.Credit)
-    credit.check()
+    args, = ran
+    assert isinstance(args, arco.Args) and args.preset == "cpu" and args.scorer == "even-credit"
+    arco.check_scheme(dataclasses.replace(args, estimator=args.estimator or "arco", plugin=args.plugin or []))
     trajs = [SimpleNamespace(reward=r, steps=[None] * k) for r, k in ((1.0, 3), (0.0, 2), (1.0, 1))]
-    s = arco.SCORERS[credit.scorer](trajs)
+    s = arco.SCORERS[args.scorer](trajs)
     assert s.shape == (6,)
     assert [round(float(s[:3].sum()), 6), round(float(s[3:5].sum()), 6), float(s[5])] == [1.0, 0.0, 1.0]

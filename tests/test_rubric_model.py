@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 import rubric_model as rm
-from infra import engines, fast, files, models, passes
-from infra.models import Backbone, add_lora, merge_lora, reference
-from infra.passes import generate, sequence_logprobs, token_kl
+from infra import engines, fast, files, models, passes, runs
+from infra.models import Backbone, add_lora, merge_lora
+from infra.passes import generate, sequence_logprobs
+from arco import reference, token_kl
+import arco
 from rubric_model import Rubric, RubricModel, ScoreHead, StepContext, mean_pool, parse_criteria
 from infra.fast import FAST
 from infra.passes import PLAIN
@@ -33,8 +35,8 @@ def plain_kl(bb, prompts, responses):
     engine, bb.engine = bb.engine, PLAIN
     try:
         seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
-        (p,) = passes.training_passes(bb, seqs, [len(r) for r in responses], kl=True, budget=None,
-                                  units=[list(range(len(seqs)))])
+        (p,) = passes.training_passes(bb, seqs, [len(r) for r in responses], budget=None,
+                                      units=[list(range(len(seqs)))], kl=arco.token_kl, reference=arco.reference)
     finally:
         bb.engine = engine
     return p.kl, p.mask
@@ -536,13 +538,13 @@ def test_packed_pass_equals_one_pass_per_sequence(tiny):
     lens = [2, 3, 3]
     root = fast.SharedPrefix(tiny, seqs, [r + 1 for r in lens])
     assert root.n == 6
-    ref = fast.reference_logq(tiny, seqs, lens)
+    ref = fast.reference_logq(tiny, seqs, lens, None, 1.0, arco.reference)
     with torch.no_grad():
-        outs = fast.packed_steps(tiny, seqs, lens, root, ref)
+        outs = fast.packed_steps(tiny, seqs, lens, root, ref, kl=arco.token_kl, hidden=True)
         for seq, r, out in zip(seqs, lens, outs):
             ids = torch.tensor([seq])
             h = tiny.model.get_decoder()(input_ids=ids).last_hidden_state[0]
-            assert torch.allclose(out.hidden_sum, h.sum(0), atol=1e-4) and out.length == len(seq)
+            assert out.hidden.shape == h.shape and torch.allclose(out.hidden, h, atol=1e-4)
             lp = sequence_logprobs(tiny, [seq[:-r]], [seq[-r:]])
             assert torch.allclose(out.logprobs, lp.logprobs[0], atol=1e-5)
             kl, _ = plain_kl(tiny, [seq[:-r]], [seq[-r:]])
@@ -647,12 +649,12 @@ def test_decoding_stops_where_the_reply_is_complete(tiny):
     as μ's JSON rubric ends where its list closes; the row then ends."""
     prompt = passes.chat_prompt_ids(tiny.tokenizer, [{"role": "user", "content": "hi"}])
     eot = tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    (g, mean), = fast.decode(tiny, [prompt], 20, steer=lambda ids, tok, logits: eot if len(ids) >= 3 else tok,
-                             hidden=True)
+    (g, states), = fast.decode(tiny, [prompt], 20, steer=lambda ids, tok, logits: eot if len(ids) >= 3 else tok,
+                               hidden=True)
     assert len(g.token_ids) == 4 and g.token_ids[-1] == eot
     with torch.no_grad():
         h = tiny.model.get_decoder()(input_ids=torch.tensor([prompt + g.token_ids])).last_hidden_state[0]
-    assert torch.allclose(mean, h.mean(0), atol=1e-5)                      # every token fed once
+    assert states.shape == h.shape and torch.allclose(states, h, atol=1e-5)      # every token fed once
 
 
 # ----------------------------------------------------------------------------- bf16 weights, the paper's architecture
@@ -682,7 +684,8 @@ def test_bf16_weights_decode_score_and_train(arch, request):
     seqs = [prompts[0] + [5, 6, 7], prompts[0] + [8, 9], prompts[1] + [10]]       # the training passes' engine
     lens = [3, 2, 1]
     root = fast.SharedPrefix(bb, seqs, [r + 1 for r in lens])
-    outs = fast.packed_steps(bb, seqs, lens, root, fast.reference_logq(bb, seqs, lens))
+    outs = fast.packed_steps(bb, seqs, lens, root, fast.reference_logq(bb, seqs, lens, None, 1.0, arco.reference),
+                             kl=arco.token_kl)
     with torch.no_grad():
         plain = sequence_logprobs(bb, [q[:-r] for q, r in zip(seqs, lens)], [q[-r:] for q, r in zip(seqs, lens)])
     assert torch.allclose(torch.cat([o.logprobs for o in outs]), plain.logprobs[plain.mask], atol=0.1)  # bf16 rounding
@@ -793,4 +796,4 @@ def test_slots_rubrics_hold_k_criteria_by_construction(tiny):
     ("Searches left: 1", False), ("", False)])
 def test_a_criterion_copied_from_the_prompt_by_hand(criterion, copied):
     prompt = "Question: Who founded the guild that trained Vora Keld?\n\nSteps so far:\nNone yet.\n\nSearches left: 2"
-    assert rm.copied_from_prompt(criterion, prompt) is copied
+    assert runs.copied_from_prompt(criterion, prompt) is copied

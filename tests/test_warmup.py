@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from lab import diagnostics
+from lab import datacheck, diagnostics
 
 import env
 import warmup
 from conftest import REPO, ChatServer
 from infra import files
-from infra import teachers
 from infra import openai_teacher
 from infra import oracle
 
@@ -105,14 +104,16 @@ def test_project_scores_properties():
     assert feasible > 400 and infeasible > 20 and clipped > 100  # the cases cover what they should
 
 
-def test_clip_and_fit():
-    assert teachers.clip_and_fit([0.5, "-0.25", 3, "-7"], 4) == [0.5, -0.25, 1.0, -1.0]
-    assert teachers.clip_and_fit([0.5], 3) == [0.5, 0.0, 0.0]  # padded with 0.0
-    assert teachers.clip_and_fit([0.1, 0.2, 0.3, 0.4], 2) == [0.1, 0.2]  # cut
-    assert teachers.clip_and_fit(["high", None, True, float("nan")], 4) == [0.0, 0.0, 0.0, 0.0]
-    assert teachers.clip_and_fit(0.7, 2) == [0.7, 0.0] and teachers.clip_and_fit(None, 2) == [0.0, 0.0]
-    assert teachers.clip_and_fit([float("inf"), " 0.5 "], 2) == [1.0, 0.5]
-    assert teachers.fit_scores([2, "x"], 3)[1] == ["2 scores for K=3", "out of range score 2", "non-numeric score 'x'"]
+def test_fit_scores():
+    """App. B's clip-and-fit of a step's teacher scores to K numbers in [−1, 1] (warmup.fit_scores)."""
+    fit = lambda raw, K: warmup.fit_scores(raw, K)[0]                      # noqa: E731
+    assert fit([0.5, "-0.25", 3, "-7"], 4) == [0.5, -0.25, 1.0, -1.0]
+    assert fit([0.5], 3) == [0.5, 0.0, 0.0]  # padded with 0.0
+    assert fit([0.1, 0.2, 0.3, 0.4], 2) == [0.1, 0.2]  # cut
+    assert fit(["high", None, True, float("nan")], 4) == [0.0, 0.0, 0.0, 0.0]
+    assert fit(0.7, 2) == [0.7, 0.0] and fit(None, 2) == [0.0, 0.0]
+    assert fit([float("inf"), " 0.5 "], 2) == [1.0, 0.5]
+    assert warmup.fit_scores([2, "x"], 3)[1] == ["2 scores for K=3", "out of range score 2", "non-numeric score 'x'"]
 
 
 # ----------------------------------------------------------------------------- the oracle teacher
@@ -230,7 +231,7 @@ def test_oracle_on_shared_dev_samples(data_dir, retriever, tmp_path):
 def test_gold_evidence_rate_hotpotqa_sample(data_dir, retriever):
     # Acceptance 2 is measured on the whole dev sample by `diagnostics.py --check-gold` (README); here a slice.
     examples = env.load_split("hotpotqa", "dev", data_dir, size=20, seed=2)
-    r = diagnostics.gold_evidence_rate(examples, retriever)
+    r = datacheck.gold_evidence_rate(examples, retriever)
     assert r["questions"] == 20 and r["reward"] == 1.0 and r["all_evidence"] >= 0.85
 
 
@@ -472,10 +473,12 @@ def test_parse_annotation_variants():
     text = ('Here you go:\n[{"step": 0, "criteria": [{"criterion": "a1", "score": "0.5"}, {"text": "a2", "score": 2}]},'
             ' {"step": 1, "criteria": ["b1", "b2", "b3"], "scores": [0.1, 0.2, 0.3]}]')
     c, s, issues = openai_teacher.parse_annotation(text, T, K)
-    assert c == [["a1", "a2"], ["b1", "b2"]] and s == [[0.5, 1.0], [0.1, 0.2]]
-    assert any("out of range" in i for i in issues) and any("3 scores" in i for i in issues)
+    assert c == [["a1", "a2"], ["b1", "b2"]] and s == [["0.5", 2], [0.1, 0.2, 0.3]]          # as the teacher wrote them
+    assert [warmup.fit_scores(row, K)[0] for row in s] == [[0.5, 1.0], [0.1, 0.2]]
+    assert any("out of range" in i for row in s for i in warmup.fit_scores(row, K)[1])
     c, s, issues = openai_teacher.parse_annotation('{"steps": [{"step": "Step 2", "criteria": ["x"], "scores": [1]}]}', T, K)
-    assert c == [["", ""], ["x", ""]] and s == [[0.0, 0.0], [1.0, 0.0]] and "step 1 missing" in issues
+    assert c == [["", ""], ["x", ""]] and s == [[], [1]] and "step 1 missing" in issues
+    assert [warmup.fit_scores(row, K)[0] for row in s] == [[0.0, 0.0], [1.0, 0.0]]
     with pytest.raises(warmup.TeacherError):
         openai_teacher.parse_annotation("I cannot grade this.", T, K)
     with pytest.raises(warmup.TeacherError):
