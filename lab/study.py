@@ -273,7 +273,7 @@ def ladder(argv: Sequence[str], rows: Sequence[str]) -> Path:
 
 
 def ladder_mu_name(settings: dict, variant: dict) -> str:
-    """A ladder row's μ folder: core's name for its data (warmup.mu_dir_name) and the row's variant after it —
+    """A ladder row's μ folder: core's name for its data (infra.warmups.mu_dir_name) and the row's variant after it —
     π_sft's rollouts per question (`policy_samples`, -nN), the check criteria (`criteria: check`, -check:
     check_criteria), the score-head fit on μ's own greedy rubrics (`head_fit: own`, -ownhead; none without a fit),
     the rarer of right and wrong finishes repeated (`balance_finishes`, -bal)."""

@@ -316,6 +316,10 @@ def test_whole_loop_leaves_a_readable_run(tiny_run):
         assert r["mean_s"] == pytest.approx(sum(st["s"] for st in steps) / len(steps), abs=1e-4)
         assert r["policy_steps"] == sum(st["valid"] for st in steps)
         assert len({t["id"] for t in batch}) == r["questions"]
+        assert "policy_loss" in r and "rubric_loss" in r           # one π and one μ update per batch, every epoch
+        # Eq. 5's decomposition term over every step of a trajectory, invalid ones included (traces keep s to 1e-4)
+        assert r["decomposition_mse"] == pytest.approx(
+            sum((sum(st["s"] for st in t["steps"]) - t["reward"]) ** 2 for t in batch) / len(batch), abs=2e-3)
     dense_trace = read_jsonl(run / "traces" / "epoch_2.jsonl")
     assert len(dense_trace) == 4                               # 4 questions × 1
     for row in dense_trace:
@@ -748,3 +752,24 @@ def test_a_constant_advantage_moves_pi_only_when_log_pi_is_not_at_the_sampling_t
     assert float(at_one.norm()) > 1e-3
     assert torch.allclose(at_one, formula, atol=1e-6 * float(formula.abs().max()) + 1e-9, rtol=1e-4)
     assert float(at_rollout.norm()) < 1e-5 * float(at_one.norm())
+
+
+def test_an_rl_step_clips_the_gradient_to_norm_1():
+    """CHOICES' "not a difference": the release clips every RL step's gradient at norm 1.0. A gradient of norm 10
+    moves a parameter by 1 under SGD at rate 1 (clipped), one of norm 0.5 by 0.5 (untouched)."""
+    assert arco.GRAD_CLIP == 1.0
+    for norm, moved in ((10.0, 1.0), (0.5, 0.5)):
+        p = torch.nn.Parameter(torch.zeros(4))
+        p.grad = torch.tensor([norm, 0.0, 0.0, 0.0])
+        arco.gradient_step(torch.optim.SGD([p], lr=1.0), "test", arco.ALONE, 0.0)
+        assert float(p.detach().norm()) == pytest.approx(moved)
+
+
+def test_dev_evaluation_is_greedy(monkeypatch):
+    """CHOICES' "not a difference": the dev evaluation decodes greedily (temperature 0), as the release does."""
+    seen = []
+    monkeypatch.setattr(arco, "policy_act", lambda pi, temperature, *a: seen.append(temperature) or
+                        (lambda prompts, seeds=None: ["Finish[x]"] * len(prompts)))
+    args = arco.resolve_args(arco.Args(dataset="synthetic"))
+    ev, trajs = arco.dev_evaluation(None, env.synthetic_examples(2, split="dev"), args, TitleRetriever())
+    assert seen == [0.0] and ev["n"] == 2

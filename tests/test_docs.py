@@ -47,7 +47,7 @@ def resolve(name: str) -> bool:
 
 
 def dataclass_field(obj, rest) -> bool:
-    """A dataclass's field (`Backbone.engine`, `Credit.scorer`) is named in its annotations, not as an attribute."""
+    """A dataclass's field (`Backbone.engine`, `CreditBatch.trajs`) is named in its annotations, not as an attribute."""
     return len(rest) == 1 and rest[0] in getattr(obj, "__annotations__", {})
 
 
@@ -70,7 +70,7 @@ def test_every_backticked_dotted_name_resolves(doc):
 
 def test_the_resolver_tells_a_real_name_from_a_stale_one():
     assert resolve("arco.run") and resolve("infra.parallel.Workers.map") and resolve("RubricModel.annotate")
-    assert resolve("Credit.scorer") and resolve("lab.study.ARMS") and resolve("torch.autocast")
+    assert resolve("CreditBatch.trajs") and resolve("lab.study.ARMS") and resolve("torch.autocast")
     assert not resolve("plumbing.build_models") and not resolve("arco.Credit.after_update")
     assert not resolve("rubric_model.load_backbone") and not resolve("RubricModel.no_such_method")
 
@@ -97,3 +97,51 @@ def test_the_readme_is_short_and_its_layout_table_is_the_import_order():
                 used |= {f"{n.module}.{a.name}" for a in n.names} if n.module in ("infra", "lab") else {n.module}
         above = {module(g) for g in listed[:i]}
         assert used & {module(g) for g in listed[i + 1:]} == set(), f
+
+
+# In the code's own words — docstrings, comments — and the walkthrough's markdown: a dotted name of the project
+# (`module.name`, backticked or not) must exist too (issue 66: stale names such as arco's former
+# `training_questions` survived the moves that README's own names were checked through).
+PROJECT_NAME = re.compile(r"(?<![\w.`/])((?:arco|env|rubric_model|warmup|evaluate|infra|lab)(?:\.[A-Za-z_]\w*)+)")
+
+
+def names_in(text: str) -> set[str]:
+    return dotted_names(text) | {m for m in PROJECT_NAME.findall(text) if not m.endswith(FILE_ENDINGS)}
+
+
+def code_words(path: Path):
+    """The docstrings (module, classes, functions) and the comments of a source file, with their line numbers."""
+    import io
+    import tokenize
+    source = path.read_text(encoding="utf-8")
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(n, clean=False):
+            yield getattr(n, "lineno", 1), ast.get_docstring(n, clean=False)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            yield tok.start[0], tok.string
+
+
+def stale_names(path: Path) -> set[str]:
+    if path.suffix == ".ipynb":
+        import json
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        texts = [(i, "".join(c["source"])) for i, c in enumerate(cells) if c["cell_type"] == "markdown"]
+    else:
+        texts = list(code_words(path))
+    return {f"{path.name}:{where}: {n}" for where, text in texts for n in names_in(text) if not resolve(n)}
+
+
+@pytest.mark.parametrize("path", [ROOT / f"{m.replace('.', '/')}.py" for m in MODULES] +
+                         [ROOT / "notebooks" / "walkthrough.ipynb"], ids=lambda p: p.name)
+def test_every_name_the_code_and_the_notebook_write_resolves(path):
+    assert stale_names(path) == set()
+
+
+def test_a_stale_name_in_a_docstring_or_the_notebook_is_caught(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text('"""Uses arco.reward_to_go and `infra.runs.no_such_name`."""\n# and env.gone_now\nx = 1\n')
+    assert {s.split(": ")[1] for s in stale_names(source)} == {"infra.runs.no_such_name", "env.gone_now"}
+    notebook = tmp_path / "n.ipynb"
+    notebook.write_text('{"cells": [{"cell_type": "markdown", "source": ["calls `arco.no_such_step`"]}]}')
+    assert {s.split(": ")[1] for s in stale_names(notebook)} == {"arco.no_such_step"}
