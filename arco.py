@@ -649,7 +649,11 @@ def resume_at(checkpoint: Path, folder: RunFolder, args: Args, with_mu: bool) ->
     pi = load_backbone_checkpoint(checkpoint / "pi", **load)[0]
     mu = RubricModel.load(checkpoint / "mu", **load) if with_mu and (checkpoint / "mu").is_dir() else None
     opt_pi, opt_mu = make_optimizers(pi, mu, args)
-    return (pi, mu, opt_pi, opt_mu, *folder.resume(checkpoint, opt_pi, opt_mu))
+    history, epoch, batch = folder.resume(checkpoint, opt_pi, opt_mu)
+    if opt_mu is not None:          # the moments are the checkpoint's, the rates this command's (π's: set per epoch)
+        for group, lr in zip(opt_mu.param_groups, (args.mu_lr, args.head_lr)):
+            group["lr"] = lr
+    return pi, mu, opt_pi, opt_mu, history, epoch, batch
 
 
 def run(args: Args, hooks: Sequence[Hook] = (), workers: Workers | None = None) -> Path:

@@ -43,8 +43,8 @@ from infra.passes import chat_prompt_ids, encode_response, policy_act, training_
 from infra.settings import (DATASETS, EMBEDDED_RETRIEVER, RunSettings, Split, fill_from_preset, from_preset, main_guard,
                             parse_args)
 from infra.teachers import TeacherError, in_parallel, serialized
-from infra.warmups import (MU_SFT_SETTINGS, check_mu_settings, check_retriever, collection_suffix, eval_settings,
-                           mu_dir_name, warmup_folder)
+from infra.warmups import (MU_SFT_SETTINGS, check_mu_settings, check_pi_settings, check_retriever, collection_suffix,
+                           eval_settings, mu_dir_name, pi_sft_settings, warmup_folder)
 from rubric_model import MuSettings, RubricModel, StepContext, mean_pool
 
 @dataclass
@@ -686,6 +686,7 @@ def train_pi(args: Args, out_dir: Path, pi_examples: Sequence[dict], retriever) 
     metrics["pi_sft_loss_per_epoch"] = sft["losses"]
     metrics["pi_sft_dev_em_per_epoch"] = [e["em"] for e in sft["evals"]]
     metrics["pi_sft_epoch"] = sft["best"]["epoch"]
+    metrics["pi_sft_settings"] = pi_sft_settings(args)          # what a run must ask for to reuse this π_sft
     write_atomically(out_dir / "pi_sft", lambda tmp: save_backbone(pi, tmp))   # a kill leaves none
     # The chosen epoch's evaluation is the SFT-only row (greedy: the merged weights decode the same), and what
     # arco.py needs to take it as its epoch 0 instead of repeating it.
@@ -785,6 +786,7 @@ def run(args: Args) -> Path:
         raise DataError(f"unknown dataset '{args.dataset}': choose one of {', '.join(DATASETS)}")
     out_dir = warmup_folder(args)
     check_retriever(out_dir, args.retriever, args.retriever_pooling)
+    check_pi_settings(out_dir, args)
     examples = env.load_split(args.dataset, args.split, args.data_dir or None, args.warmup_size or None, args.seed)
     teacher = make_teacher(args)
     retriever = env.shared_retriever(args.retriever or None, args.retriever_pooling)
@@ -865,6 +867,7 @@ def ensure(args, with_mu: bool) -> Warmup:
     folder = warmup_folder(args)
     mu = mu_dir_name(dataclasses.asdict(args)) if with_mu else None
     check_retriever(folder, args.retriever, args.retriever_pooling)
+    check_pi_settings(folder, args)
     if mu:
         check_mu_settings(folder, mu, args)
     missing = [n for n in ("pi_sft", mu) if n and not (folder / n / "config.json").is_file()]

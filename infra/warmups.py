@@ -86,6 +86,32 @@ def check_mu_settings(folder: Path, name: str, args) -> None:
                                 f"{Path(folder) / name} to fine-tune μ again")
 
 
+# The π SFT settings a warmup keeps in metrics.json (pi_sft_settings): a run reuses its π_sft only if it asks for the
+# same (a warmup made before the key existed: its args.json, written as it started).
+PI_SFT_SETTINGS = ("model", "warmup_size", "warmup_samples", "sft_epochs_pi", "sft_lr_pi", "sft_batch_pi")
+
+
+def pi_sft_settings(args) -> dict:
+    return {key: getattr(args, key) for key in PI_SFT_SETTINGS}
+
+
+def check_pi_settings(folder: Path, args) -> None:
+    """A warmup's π_sft is reused only by runs that ask for the base model and π SFT it had (PI_SFT_SETTINGS); else
+    one error naming both, instead of RL silently starting from another π."""
+    folder = Path(folder)
+    if not (folder / "pi_sft" / "config.json").is_file():
+        return                                                       # no π_sft there yet: nothing is reused
+    metrics = json.loads((folder / "metrics.json").read_text()) if (folder / "metrics.json").is_file() else {}
+    made = metrics.get("pi_sft_settings") or \
+        (json.loads((folder / "args.json").read_text()) if (folder / "args.json").is_file() else {})
+    differ = [key for key in PI_SFT_SETTINGS if key in made and made[key] != getattr(args, key)]
+    if differ:
+        flags = lambda values: ", ".join(f"--{k.replace('_', '-')} {values[k]}" for k in differ)   # noqa: E731
+        raise DataError(f"the π_sft in {folder / 'pi_sft'} was made with {flags(made)}, this run asks for "
+                        f"{flags(pi_sft_settings(args))}; pass the same, or another --warmup-dir for a warmup of its "
+                        f"own")
+
+
 def eval_settings(eval_size: int, seed: int, max_new_tokens: int, obs_chars: int, gen_batch: int) -> dict:
     """What decides a greedy dev evaluation (with the policy): same settings, same trajectories."""
     return {"eval_size": eval_size, "seed": seed, "max_new_tokens": max_new_tokens, "obs_chars": obs_chars,

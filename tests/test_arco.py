@@ -9,6 +9,8 @@ import torch
 
 import arco
 import env
+import warmup
+from infra.settings import main_guard
 from infra.engines import loading
 import rubric_model as rm
 from lab import study
@@ -317,9 +319,11 @@ def test_whole_loop_leaves_a_readable_run(tiny_run):
         assert r["policy_steps"] == sum(st["valid"] for st in steps)
         assert len({t["id"] for t in batch}) == r["questions"]
         assert "policy_loss" in r and "rubric_loss" in r           # one π and one μ update per batch, every epoch
-        # Eq. 5's decomposition term over every step of a trajectory, invalid ones included (traces keep s to 1e-4)
+        # Eq. 5's decomposition term over every step of a trajectory, invalid ones included (the tiny π writes mostly
+        # invalid steps: left out, the term would be near mean R²); the update's s_t are its training pass's (LoRA
+        # dropout on), the trace's the annotation's: 5% apart at most
         assert r["decomposition_mse"] == pytest.approx(
-            sum((sum(st["s"] for st in t["steps"]) - t["reward"]) ** 2 for t in batch) / len(batch), abs=2e-3)
+            sum((sum(st["s"] for st in t["steps"]) - t["reward"]) ** 2 for t in batch) / len(batch), rel=0.05)
     dense_trace = read_jsonl(run / "traces" / "epoch_2.jsonl")
     assert len(dense_trace) == 4                               # 4 questions × 1
     for row in dense_trace:
@@ -773,3 +777,30 @@ def test_dev_evaluation_is_greedy(monkeypatch):
     args = arco.resolve_args(arco.Args(dataset="synthetic"))
     ev, trajs = arco.dev_evaluation(None, env.synthetic_examples(2, split="dev"), args, TitleRetriever())
     assert seen == [0.0] and ev["n"] == 2
+
+
+def test_a_warmup_made_for_another_base_model_is_refused(tiny_run, tiny_dir, tiny_qwen3_dir):
+    """A warmup's π_sft is reused only by runs asking for its base model and π SFT settings (issue 66: a run with
+    --model another one silently trained the warmup's SmolLM2 π_sft): one error line naming both, before RL."""
+    for flag, value in (("model", tiny_qwen3_dir), ("sft_lr_pi", 0.123)):
+        with pytest.raises(SystemExit) as e:
+            main_guard(lambda: arco.main(tiny_args(tiny_dir, tiny_run, name=f"other-{flag}", **{flag: value})),
+                       env.DataError)
+        assert e.value.code == 2
+    made = json.loads((tiny_run / "synthetic" / "warmup" / "metrics.json").read_text())["pi_sft_settings"]
+    assert made["model"] == str(tiny_dir) and made["sft_epochs_pi"] == 1
+    with pytest.raises(env.DataError, match=rf"made with --model {tiny_dir}, this run asks for --model {tiny_qwen3_dir}"):
+        warmup.ensure(arco.resolve_args(settings.parse_args(arco.Args, tiny_args(tiny_dir, tiny_run) +
+                                                                         ["--model", str(tiny_qwen3_dir)])), True)
+
+
+def test_init_from_applies_this_commands_mu_learning_rates(tiny_run, tiny_dir):
+    """--init-from starts from another run's checkpoint with its optimizers' moments, but the learning rates are the
+    command's: the child's μ optimizer steps at --mu-lr / --head-lr, not the parent's (issue 66)."""
+    parent = tiny_run / "synthetic" / "arco" / "checkpoints" / "epoch_1"
+    before = torch.load(parent / "optim.pt", weights_only=True)["opt_mu"]["param_groups"]
+    assert [g["lr"] for g in before] != [0.0123, 0.0456]
+    arco.main(tiny_args(tiny_dir, tiny_run, name="init-rates", init_from=parent, mu_lr=0.0123, head_lr=0.0456))
+    after = torch.load(tiny_run / "synthetic" / "init-rates" / "checkpoints" / "epoch_2" / "optim.pt",
+                       weights_only=True)["opt_mu"]["param_groups"]
+    assert [g["lr"] for g in after] == [0.0123, 0.0456]
