@@ -50,7 +50,7 @@ import env
 import warmup
 from infra.data import DataError
 from infra.engines import loading
-from infra.estimate import memory_estimate
+from infra.estimate import describe_plan, memory_estimate
 from infra.memory import MEMORY, peak_rss_gib, timed
 from infra.models import ModelLoadError, check_model_available, fresh_adapter, load_backbone_checkpoint, trainable_parameters
 from infra.parallel import ALONE, Workers
@@ -510,6 +510,17 @@ def log_pi_temperature(args: Args) -> float:
     return args.rollout_temperature if args.logprob_temperature == "rollout" else 1.0
 
 
+@torch.no_grad()
+def log_pi(pi, steps, args: Args) -> torch.Tensor:
+    """log π(a_t|h_t) of each step as Eq. 3 reads it (the action's token log-probs summed, at log_pi_temperature),
+    without gradients: what π's update moves (the walkthrough shows it before and after a step)."""
+    seqs, lens = policy_sequences(pi, steps)
+    out = torch.zeros(len(steps))
+    for p in training_passes(pi, seqs, lens, args.pass_tokens, temperature=log_pi_temperature(args)):
+        out[p.index] = p.logprobs.sum(-1).float().cpu()
+    return out
+
+
 def policy_update(pi, optimizer, trajs, A: list[list[float]], args: Args, kl_pi: float, workers: Workers = ALONE) -> dict:
     """Alg. 1, lines 33–35: one gradient step on Eq. 3 over the batch's valid steps, λ_π = `kl_pi`."""
     steps = [(st, a) for t, a_t in zip(trajs, A) for st, a in zip(t.steps, a_t) if st.valid]          # V_τ
@@ -765,50 +776,10 @@ def resolve_args(args: Args) -> Args:
     return args
 
 
-def describe_plan(args: Args, n_train: int) -> str:
-    """What --dry-run prints: the schedule, the updates per epoch and the loss scales."""
-    plan = epoch_plan(args, n_train)
-    lines = [f"preset {args.preset}, dataset {args.dataset}, reward {args.reward}: {n_train} training questions "
-             f"(--train-size; fewer if the data holds fewer), {args.eval_size} dev questions, π = {args.model}, "
-             f"μ = {args.mu_model if args.reward == 'arco' else '(none)'}"]
-    for e in plan:
-        kind = "dense " if e["dense"] else "sparse"
-        baseline = (f"A = α (G_t − Ḡ_bucket), α {args.alpha}" + (", one-step buckets take the batch mean"
-                                                                     if args.bucket_fallback else "")) \
-            if e["dense"] else f"A = R − mean of the {args.sparse_baseline}"
-        lines.append(f"  epoch {e['epoch']}: {kind} {e['questions_per_batch']} questions × {e['samples']} = "
-                     f"{e['trajectories_per_update']} trajectories per update, {e['updates']} "
-                     f"update{'s' if e['updates'] != 1 else ''}; π lr "
-                     f"{e['pi_lr']:g}, λ_π {e['kl_pi']:g}; {baseline}"
-                     + ("  [selectable]" if e["selectable"] else ""))
-    total = sum(e["updates"] * e["trajectories_per_update"] for e in plan)
-    lines.append(f"  {sum(e['updates'] for e in plan)} updates, {total} trajectories in all; the checkpoint is the "
-                 f"best dev EM among the [selectable] epochs (after the transition)")
-    per_step = "mean" if args.token_reduction == "mean" else "sum"
-    lines += [
-        "loss scales (token reduction: " + args.token_reduction + ")",
-        f"  Eq. 3: −(1/|B|) Σ_τ Σ_t A_t log π(a_t|h_t) + λ_π (1/|B|) Σ_τ Σ_t {per_step}_i KL(π‖π_ref)_i",
-        f"  Eq. 5: (1/|B|) Σ_τ w_τ (Σ_t s_t − R)²  [w: {'class-balanced' if args.class_balance else '1'}]"
-        f" + β {args.kl_mu:g} · " + ("(1/|B|) Σ_τ Σ_t mean_i KL(μ‖μ_ref)_i" if args.token_reduction == "mean"
-                                   else "mean_t Σ_i KL(μ‖μ_ref)_i"),
-        "  Eq. 7: " + ("mean over tokens of −log p(r̃) + λ · mean over steps × K of (d − ŝ)²"
-                       if args.token_reduction == "mean" else "mean over steps of [Σ_i −log p(r̃_i) + λ ‖d − ŝ‖²]")
-        + " (λ: warmup.py's --score-weight, release 10)",
-        f"  optimizer: AdamW, weight decay {args.weight_decay:g}; μ lr {args.mu_lr:g}, score head {args.head_lr:g}; "
-        f"rubrics {'greedy' if not args.rubric_temperature else f'sampled at T {args.rubric_temperature:g}'}",
-        f"warmup: {args.warmup_size} questions ({'among' if args.warmup_questions == 'within' else 'apart from'} "
-        f"RL's) × {args.warmup_samples} teacher trajectories; π SFT {args.sft_epochs_pi} epochs (lr {args.sft_lr_pi:g}, "
-        f"batch {args.sft_batch_pi}, best dev EM kept), μ SFT on "
-        f"{f'the first {args.sft_questions_mu} questions' if args.sft_questions_mu else 'every question'}, "
-        f"{args.sft_epochs_mu} epochs (lr {args.sft_lr_mu:g}, head {args.sft_head_lr:g}, batch {args.sft_batch_mu}, "
-        f"last kept){f', then {args.sft_head_steps} steps on the score head alone' if args.sft_head_steps else ''}"]
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     args = resolve_args(parse_args(Args, argv, description=__doc__))
     if args.dry_run:
-        print(describe_plan(args, args.train_size))
+        print(describe_plan(args, epoch_plan(args, args.train_size)))
         print(memory_estimate(args)["text"])
         return
     for name in {args.model, args.mu_model}:        # before any folder: a model that cannot be had here

@@ -1,5 +1,6 @@
-"""--dry-run's memory estimate (plumbing): the peak memory of one arco.py process on one device, from π's and μ's
-shapes alone (no weights are loaded), the weight dtype and the batch settings."""
+"""What --dry-run prints (plumbing): the schedule and loss scales of a run (describe_plan), and the memory estimate,
+the peak memory of one arco.py process on one device, from π's and μ's shapes alone (no weights are loaded), the
+weight dtype and the batch settings."""
 from __future__ import annotations
 
 import torch
@@ -96,3 +97,45 @@ def memory_estimate(args) -> dict:
                f"does NOT fit --gpu-memory {budget:g} GiB: lower --pass-tokens or --gen-batch"))
     return {"known": True, "peak_gib": peak, "fits": peak <= budget, "dtype": str(dtype),
             **{k: v / GIB for k, v in rows.items()}, "text": text}
+
+
+def describe_plan(args, plan: list[dict]) -> str:
+    """What --dry-run prints: the schedule (arco.epoch_plan's `plan`), the updates per epoch and the loss scales."""
+    n_train = args.train_size
+    lines = [f"preset {args.preset}, dataset {args.dataset}, reward {args.reward}: {n_train} training questions "
+             f"(--train-size; fewer if the data holds fewer), {args.eval_size} dev questions, π = {args.model}, "
+             f"μ = {args.mu_model if args.reward == 'arco' else '(none)'}"]
+    for e in plan:
+        kind = "dense " if e["dense"] else "sparse"
+        baseline = (f"A = α (G_t − Ḡ_bucket), α {args.alpha}" + (", one-step buckets take the batch mean"
+                                                                     if args.bucket_fallback else "")) \
+            if e["dense"] else f"A = R − mean of the {args.sparse_baseline}"
+        lines.append(f"  epoch {e['epoch']}: {kind} {e['questions_per_batch']} questions × {e['samples']} = "
+                     f"{e['trajectories_per_update']} trajectories per update, {e['updates']} "
+                     f"update{'s' if e['updates'] != 1 else ''}; π lr "
+                     f"{e['pi_lr']:g}, λ_π {e['kl_pi']:g}; {baseline}"
+                     + ("  [selectable]" if e["selectable"] else ""))
+    total = sum(e["updates"] * e["trajectories_per_update"] for e in plan)
+    lines.append(f"  {sum(e['updates'] for e in plan)} updates, {total} trajectories in all; the checkpoint is the "
+                 f"best dev EM among the [selectable] epochs (after the transition)")
+    per_step = "mean" if args.token_reduction == "mean" else "sum"
+    lines += [
+        "loss scales (token reduction: " + args.token_reduction + ")",
+        f"  Eq. 3: −(1/|B|) Σ_τ Σ_t A_t log π(a_t|h_t) + λ_π (1/|B|) Σ_τ Σ_t {per_step}_i KL(π‖π_ref)_i; log π at "
+        + (f"the rollout's T {args.rollout_temperature:g}" if args.logprob_temperature == "rollout" else
+           f"T 1 (π samples at {args.rollout_temperature:g})"),
+        f"  Eq. 5: (1/|B|) Σ_τ w_τ (Σ_t s_t − R)²  [w: {'class-balanced' if args.class_balance else '1'}]"
+        f" + β {args.kl_mu:g} · " + ("(1/|B|) Σ_τ Σ_t mean_i KL(μ‖μ_ref)_i" if args.token_reduction == "mean"
+                                   else "mean_t Σ_i KL(μ‖μ_ref)_i"),
+        "  Eq. 7: " + ("mean over tokens of −log p(r̃) + λ · mean over steps × K of (d − ŝ)²"
+                       if args.token_reduction == "mean" else "mean over steps of [Σ_i −log p(r̃_i) + λ ‖d − ŝ‖²]")
+        + " (λ: warmup.py's --score-weight, release 10)",
+        f"  optimizer: AdamW, weight decay {args.weight_decay:g}; μ lr {args.mu_lr:g}, score head {args.head_lr:g}; "
+        f"rubrics {'greedy' if not args.rubric_temperature else f'sampled at T {args.rubric_temperature:g}'}",
+        f"warmup: {args.warmup_size} questions ({'among' if args.warmup_questions == 'within' else 'apart from'} "
+        f"RL's) × {args.warmup_samples} teacher trajectories; π SFT {args.sft_epochs_pi} epochs (lr {args.sft_lr_pi:g}, "
+        f"batch {args.sft_batch_pi}, best dev EM kept), μ SFT on "
+        f"{f'the first {args.sft_questions_mu} questions' if args.sft_questions_mu else 'every question'}, "
+        f"{args.sft_epochs_mu} epochs (lr {args.sft_lr_mu:g}, head {args.sft_head_lr:g}, batch {args.sft_batch_mu}, "
+        f"last kept){f', then {args.sft_head_steps} steps on the score head alone' if args.sft_head_steps else ''}"]
+    return "\n".join(lines)

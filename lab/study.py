@@ -630,29 +630,45 @@ def study_curves(dirs: dict[str, list[Path]], sparse_of: dict[Path, Path], curve
     return dict(out)
 
 
-def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], path: Path, title: str, ylabel: str) -> None:
+# The arms as the README's and RESULTS' tables name them (the figures' legends say the same).
+ARM_LABELS = {"outcome": "outcome RL continuing", "outcome-dense": "the control: outcome RL at ARCO's dense rate and λ_π",
+              "arco": "ARCO", "mixed": "mixed: outcome + α·μ's dense advantage", "causal-oracle": "causal oracle",
+              "projection-oracle": "projection oracle", "arco-norubric": "ARCO w/o Rubric"}
+
+
+def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], path: Path, title: str, ylabel: str):
     """Per arm: each seed a thin line, the mean over seeds a thick one (points where every seed has one); the
-    sparse phases in grey."""
+    sparse phases in grey; the fork (the dense transition, where the arms start) a dashed line. Legends name the
+    arms as the tables do (ARM_LABELS), in type legible at half a page's width."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(7, 4.2), dpi=100, layout="constrained")
+    fig = Figure(figsize=(9, 5.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     arms = [arm for arm in curves if not arm.startswith("sparse")]
     for arm, series in curves.items():
         color = f"C{arms.index(arm)}" if arm in arms else ("0.35" if arm == "sparse phase" else "0.65")
         for s in series:
-            ax.plot([x for x, _ in s], [y for _, y in s], color=color, linewidth=0.7, alpha=0.45)
+            ax.plot([x for x, _ in s], [y for _, y in s], color=color, linewidth=0.8, alpha=0.45)
         xs = sorted(set.intersection(*[{x for x, _ in s} for s in series])) if series else []
         mean = [sum(dict(s)[x] for s in series) / len(series) for x in xs]
-        ax.plot(xs, mean, color=color, linewidth=2.2, marker="o", markersize=3,
-                label=f"{arm} ({len(series)} seed{'s' if len(series) > 1 else ''})")
-    ax.set(title=title, xlabel="update", ylabel=ylabel)
+        ax.plot(xs, mean, color=color, linewidth=2.6, marker="o", markersize=4,
+                label=f"{ARM_LABELS.get(arm, arm)} ({len(series)} seed{'s' if len(series) > 1 else ''})")
+    starts = [s[0][0] for arm in arms for s in curves[arm] if s]
+    if starts:
+        ax.axvline(min(starts), color="0.2", linestyle="--", linewidth=1.2)
+        ax.annotate("fork: the dense transition", (min(starts), 1.0), xycoords=("data", "axes fraction"),
+                    xytext=(4, -14), textcoords="offset points", fontsize=12)
+    ax.set_title(title, fontsize=14)
+    ax.set_xlabel("update", fontsize=13)
+    ax.set_ylabel(ylabel, fontsize=13)
+    ax.tick_params(labelsize=12)
     ax.grid(alpha=0.3)
     if curves:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=11)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
+    return fig
 
 
 def fork_report(base: arco.Args, root: Path, dirs: dict[str, list[Path]], figures: str) -> Path:

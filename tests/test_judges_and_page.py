@@ -350,3 +350,20 @@ def test_plot_auc(tmp_path):
     assert got["chance"][1] == [0.5, 0.5]
     fig = plots.plot_lines({"mu": [(1, 0.6)], "oracle": [(1, 0.9)]}, tmp_path / "auc2.png", "AUC", "AUC", chance=0.5)
     assert set(lines(fig)) == {"mu", "oracle", "chance"}
+
+
+def test_the_fork_studys_curves_name_the_arms_as_the_tables_and_mark_the_fork(tmp_path):
+    """lab.study.plot_curves (issue 66): the legend says what README's table says ("ARCO", "the control: …", "mixed:
+    …"), the fork (the first update of the arms) is a dashed line, and the legend's type is at least 11 points."""
+    from lab import study
+    curves = {"sparse phase": [[(0, 30.0), (16, 40.0), (32, 45.0)]],
+              "arco": [[(32, 45.0), (48, 47.0)], [(32, 44.0), (48, 46.0)]],
+              "outcome-dense": [[(32, 45.0), (48, 50.0)]], "mixed": [[(32, 45.0), (48, 48.0)]]}
+    fig = study.plot_curves(curves, tmp_path / "c.png", "dev EM", "EM (%)")
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels[1:] == ["ARCO (2 seeds)", "the control: outcome RL at ARCO's dense rate and λ_π (1 seed)",
+                          "mixed: outcome + α·μ's dense advantage (1 seed)"]
+    assert min(t.get_fontsize() for t in ax.get_legend().get_texts()) >= 11
+    assert [list(line.get_xdata()) for line in ax.lines if line.get_linestyle() == "--"] == [[32, 32]]
+    assert (tmp_path / "c.png").stat().st_size > 1000
