@@ -40,6 +40,7 @@ import importlib
 import math
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -574,12 +575,13 @@ def rubric_update(mu: RubricModel, optimizer, trajs, contexts, rubrics, args: Ar
     passes.backward_shared()                     # the fast engine: the shared prompt's gradients, through it once
     loss_sum, mse, kl_sum = gradient_step(optimizer, "rubric-model (Eq. 5)", workers, loss_sum, mse, kl_sum)
     mu.eval()
-    out = {"rubric_loss": loss_sum, "decomposition_mse": mse, "kl_mu": kl_sum / max(sum(lens), 1)}
-    with timed(out, "mu_after"), torch.no_grad():   # for the log only: the error after the step, one more forward
+    t0 = time.time()
+    with torch.no_grad():       # for the log only: the same trajectories' error after the step, one more forward
         after = sum(float(decomposition_loss(mu.step_scores(mean_pool(p.hidden, p.hidden_mask)).s.float().cpu(),
                                              of[p.index], R, len(trajs)))                  # (no LM head)
                     for p in training_passes(mu.backbone, seqs, [0] * len(seqs), args.pass_tokens, units, hidden=True))
-    return {**out, "decomposition_mse_after": workers.total(after)[0]}
+    return {"rubric_loss": loss_sum, "decomposition_mse": mse, "decomposition_mse_after": workers.total(after)[0],
+            "kl_mu": kl_sum / max(sum(lens), 1), "seconds_mu_after": time.time() - t0}
 
 
 def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, batches: int, phase: dict, args: Args, retriever,
