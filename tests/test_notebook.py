@@ -57,15 +57,20 @@ def test_the_checker_catches_a_private_or_foreign_name():
 
 
 def test_the_committed_notebook_holds_one_real_execution():
-    """Every code cell has outputs and none an error; the first cell says the command, machine and time; the figure
-    it saved is in figures/."""
+    """Every code cell has outputs and none an error; the first cell says the command and the machine, the first code
+    cell's output the date, the commit and the package versions, the last one the seconds; the figure it saved is in
+    figures/; every section's output says what to notice."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
     for c in nb.cells:
         if c.cell_type == "code":
             assert c.outputs and not [o for o in c.outputs if o.output_type == "error"], c.source[:80]
             assert c.execution_count is not None
     first = nb.cells[0].source
-    assert "make notebook" in first and "CPU" in first and " s" in first
+    assert "make notebook" in first and "CPU" in first
+    outputs = [o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert " UTC, commit " in outputs[0] and "torch 2." in outputs[0] and "transformers " in outputs[0]
+    assert "this notebook's run:" in outputs[-1] and outputs[-1].rstrip().endswith(" s")
+    assert sum("What to notice" in text for text in outputs) >= 5
     assert (ROOT / "figures" / "walkthrough_scores.png").is_file()
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 1
