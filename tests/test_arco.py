@@ -744,8 +744,10 @@ def test_a_constant_advantage_moves_pi_only_when_log_pi_is_not_at_the_sampling_t
         args = arco.Args(rollout_temperature=T, logprob_temperature=logprob_temperature)
         for p in params:
             p.grad = None
-        for p in passes.training_passes(bb, seqs, lens, budget=None, temperature=arco.log_pi_temperature(args)):
+        update = passes.training_passes(bb, seqs, lens, budget=None, temperature=arco.log_pi_temperature(args))
+        for p in update:
             arco.policy_loss(p.logprobs.sum(-1), A * p_T[p.index], 1).backward()     # weights p_T(a): the expectation
+        update.backward_shared()                       # the fast engine: the shared prompt's part of the gradient
         return torch.cat([p.grad.reshape(-1) for p in params])
 
     at_rollout, at_one = expected_gradient("rollout"), expected_gradient("1")

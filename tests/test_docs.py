@@ -95,7 +95,6 @@ def test_the_readme_is_short_and_its_layout_table_is_the_import_order():
                 used |= {a.name for a in n.names}
             elif isinstance(n, ast.ImportFrom) and n.module:
                 used |= {f"{n.module}.{a.name}" for a in n.names} if n.module in ("infra", "lab") else {n.module}
-        above = {module(g) for g in listed[:i]}
         assert used & {module(g) for g in listed[i + 1:]} == set(), f
 
 

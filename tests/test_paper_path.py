@@ -11,7 +11,6 @@ import torch
 import arco
 from infra import fast
 from infra import estimate
-import rubric_model as rm
 from infra import models
 from infra import passes
 from infra.fast import FAST

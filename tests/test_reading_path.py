@@ -29,7 +29,7 @@ READING_EXCLUDES = {
                      "embedded_gguf_path", "arco_cache", "check_model_available", "save_backbone", "model_shape",
                      "_cached_config", "resolve_device", "resolve_dtype", "resolve_autocast", "cpu_has_native_bf16",
                      "Backbone.lower_frozen_weights", "Backbone.autocast", "Backbone.device", "add_lora", "merge_lora",
-                     "fresh_adapter", "trainable_parameters"},
+                     "fresh_adapter", "trainable_parameters", "_is_peft"},
     "infra.parallel": {"Workers.__init__", "Workers.start", "Workers.end", "Workers.barrier", "Workers.any"},
     "env": {"load_split", "shared_retriever", "Retriever.__init__", "Retriever.encode", "Retriever._paragraphs",
             "synthetic_examples", "parse_hotpot_layout", "Trajectory.to_dict", "_title_index", "_join_sentences",
