@@ -12,7 +12,7 @@ run: .venv/ready
 	else echo "no data folder at $(DATA): running on the synthetic worlds"; $(PY) arco.py --dataset synthetic $(ARGS); fi
 
 test: .venv/ready .venv/test-ready
-	ARCO_DATA_DIR="$(DATA)" $(PY) -m pytest -q -rs tests
+	ARCO_DATA_DIR="$(DATA)" $(PY) -m pytest -q -rs --durations=15 tests
 
 notebook: .venv/ready .venv/test-ready
 	ARCO_DATA_DIR="$(abspath $(DATA))" .venv/bin/jupyter-execute --inplace --timeout=3600 notebooks/walkthrough.ipynb
