@@ -71,6 +71,9 @@ class Args(warmup.Settings):
     resume: bool = field(default=False, metadata={"help": "continue a killed run from its last finished epoch"})
     dry_run: bool = field(default=False, metadata={"help": "print the training schedule, the loss scales and the memory estimate, "
                                                             "then exit (no data, no model)"})
+    mu_error_after: bool = field(default=True, metadata={
+        "help": "log μ's decomposition error on each batch after its step too (one more forward of μ, for the log and "
+                "the report only: about a fifth of a μ update at the cpu preset)"})
     reward: str = field(default="arco", metadata={"help": "arco (μ's dense rewards after the sparse epochs) or "
                                                            "outcome (binary-EM REINFORCE throughout, no μ: Search-R1-style)",
                                                   "choices": ["arco", "outcome"]})
@@ -575,13 +578,16 @@ def rubric_update(mu: RubricModel, optimizer, trajs, contexts, rubrics, args: Ar
     passes.backward_shared()                     # the fast engine: the shared prompt's gradients, through it once
     loss_sum, mse, kl_sum = gradient_step(optimizer, "rubric-model (Eq. 5)", workers, loss_sum, mse, kl_sum)
     mu.eval()
-    t0 = time.time()
-    with torch.no_grad():       # for the log only: the same trajectories' error after the step, one more forward
-        after = sum(float(decomposition_loss(mu.step_scores(mean_pool(p.hidden, p.hidden_mask)).s.float().cpu(),
-                                             of[p.index], R, len(trajs)))                  # (no LM head)
-                    for p in training_passes(mu.backbone, seqs, [0] * len(seqs), args.pass_tokens, units, hidden=True))
-    return {"rubric_loss": loss_sum, "decomposition_mse": mse, "decomposition_mse_after": workers.total(after)[0],
-            "kl_mu": kl_sum / max(sum(lens), 1), "seconds_mu_after": time.time() - t0}
+    row = {"rubric_loss": loss_sum, "decomposition_mse": mse, "kl_mu": kl_sum / max(sum(lens), 1)}
+    if args.mu_error_after:     # for the log only (--no-mu-error-after: off): the batch's error after the step
+        t0 = time.time()
+        with torch.no_grad():
+            after = sum(float(decomposition_loss(mu.step_scores(mean_pool(p.hidden, p.hidden_mask)).s.float().cpu(),
+                                                 of[p.index], R, len(trajs)))              # (no LM head)
+                        for p in training_passes(mu.backbone, seqs, [0] * len(seqs), args.pass_tokens, units,
+                                                 hidden=True))
+        row |= {"decomposition_mse_after": workers.total(after)[0], "seconds_mu_after": time.time() - t0}
+    return row
 
 
 def iteration(pi, mu, opt_pi, opt_mu, batch, epoch: int, b: int, batches: int, phase: dict, args: Args, retriever,

@@ -214,8 +214,9 @@ def save_checkpoint(folder: Path, pi, mu, opt_pi, opt_mu, epoch: int, history: l
 
 def update_line(row: dict, epoch: int, b: int) -> str:
     """The one-line log of an update (every number is also in metrics.jsonl)."""
-    mu_part = (f" dec-MSE {row['decomposition_mse']:.4f} → {row['decomposition_mse_after']:.4f} KLμ {row['kl_mu']:.4f}"
-               f" s̄ {row['mean_s']:+.3f}" if "rubric_loss" in row else "")
+    after = f" → {row['decomposition_mse_after']:.4f}" if "decomposition_mse_after" in row else ""
+    mu_part = (f" dec-MSE {row['decomposition_mse']:.4f}{after} KLμ {row['kl_mu']:.4f} s̄ {row['mean_s']:+.3f}"
+               if "rubric_loss" in row else "")
     if row.get("rubric_parse_rate") is not None:
         mu_part += f" K-criteria {100 * row['rubric_parse_rate']:.0f}% copied {100 * row['copied_rate']:.0f}%"
     if "sum_auc" in row:

@@ -16,6 +16,7 @@ import rubric_model as rm
 from lab import study
 from infra import models
 from infra import passes
+from infra.runs import update_line
 from infra import settings
 from lab import truth
 from infra import engines
@@ -226,9 +227,10 @@ def test_rubric_update_moves_lora_and_head_and_lowers_the_decomposition_error(ti
     assert error() < err0
 
 
-def test_one_mu_update_at_the_cpu_presets_rates_lowers_the_decomposition_error(tiny_dir):
+def test_one_mu_update_at_the_cpu_presets_rates_lowers_the_decomposition_error(tiny_dir, monkeypatch):
     """The `cpu` preset's μ rates and Eq. 5 weights (README, "the default run"): one step of rubric_update lowers
-    the decomposition error of its own batch, and the error it logs after the step is the one recomputed here."""
+    the decomposition error of its own batch, and the error it logs after the step is the one recomputed here;
+    with --no-mu-error-after that forward is not run and the log has no "after"."""
     bb = models.add_lora(models.load_backbone(str(tiny_dir), device="cpu", autocast="off", engine=FAST), dropout=0.0)
     perturb_lora(bb)
     torch.manual_seed(0)
@@ -251,6 +253,14 @@ def test_one_mu_update_at_the_cpu_presets_rates_lowers_the_decomposition_error(t
                                                    weight_decay=args.weight_decay), trajs, contexts, rubrics, args)
     assert out["decomposition_mse"] == pytest.approx(before, rel=1e-4)
     assert out["decomposition_mse_after"] == pytest.approx(error(), rel=1e-4) and error() < before
+    passes_run = []                                           # --no-mu-error-after: no after-step forward, no key
+    real = arco.training_passes
+    monkeypatch.setattr(arco, "training_passes", lambda *a, **k: passes_run.append(1) or real(*a, **k))
+    out = arco.rubric_update(mu, torch.optim.SGD(mu.parameter_groups(0.0, 0.0), lr=0.0), trajs, contexts, rubrics,
+                             arco.resolve_args(arco.Args(mu_error_after=False)))
+    assert len(passes_run) == 1 and "decomposition_mse_after" not in out and "seconds_mu_after" not in out
+    line = update_line({**out, "mean_s": 0.0, "mean_R": 0.5, "policy_loss": 0.0, "kl_pi": 0.0, "invalid_rate": 0.0}, 1, 0)
+    assert "dec-MSE" in line and " → " not in line
 
 
 class TitleRetriever:
