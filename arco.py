@@ -647,7 +647,7 @@ def sft_only_evaluation(pi, dev, args: Args, retriever, warm_folder: Path, worke
     def now() -> tuple[dict, list]:
         ev, trajs = dev_evaluation(pi, dev, args, retriever, workers)
         return ev, trace_rows(trajs, 0, -1)
-    key = eval_settings(args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars, args.gen_batch) \
+    key = eval_settings(dev, args.seed, args.max_new_tokens_pi, args.obs_chars, args.gen_batch) \
         if args.max_searches is None else None         # --max-searches is not part of the key: evaluate then
     return sft_only(warm_folder, key, now, workers.main)
 

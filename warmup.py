@@ -666,8 +666,7 @@ def train_pi(args: Args, out_dir: Path, pi_examples: Sequence[dict], retriever) 
         return old
     dev = env.load_split(args.dataset, "dev", args.data_dir or None, args.sft_eval_size or args.eval_size, args.seed)
     metrics: dict = {**old, "dataset": args.dataset, "dev_questions": len(dev)}
-    settings = eval_settings(args.sft_eval_size or args.eval_size, args.seed, args.max_new_tokens_pi, args.obs_chars,
-                             args.gen_batch)
+    settings = eval_settings(dev, args.seed, args.max_new_tokens_pi, args.obs_chars, args.gen_batch)
     pi = load_backbone(args.model, **loading(args))
 
     def dev_eval(policy):

@@ -112,10 +112,13 @@ def check_pi_settings(folder: Path, args) -> None:
                         f"own")
 
 
-def eval_settings(eval_size: int, seed: int, max_new_tokens: int, obs_chars: int, gen_batch: int) -> dict:
-    """What decides a greedy dev evaluation (with the policy): same settings, same trajectories."""
-    return {"eval_size": eval_size, "seed": seed, "max_new_tokens": max_new_tokens, "obs_chars": obs_chars,
-            "gen_batch": gen_batch}
+def eval_settings(dev: list, seed: int, max_new_tokens: int, obs_chars: int, gen_batch: int) -> dict:
+    """What decides a greedy dev evaluation (with the policy): the same dev questions — a digest of their ids,
+    text, answers and paragraphs, so that another --data-dir or sample is never served this one's evaluation — and
+    the same settings give the same trajectories."""
+    questions = json.dumps([[e.id, e.question, e.answers, e.paragraphs] for e in dev])
+    return {"eval_size": len(dev), "dev": hashlib.sha256(questions.encode()).hexdigest()[:16], "seed": seed,
+            "max_new_tokens": max_new_tokens, "obs_chars": obs_chars, "gen_batch": gen_batch}
 
 
 def sft_only(warmup_dir: Path, settings: dict | None, evaluate, main: bool = True) -> tuple[dict, list[dict]]:

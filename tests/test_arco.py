@@ -520,6 +520,28 @@ def test_epoch_0_is_the_warmups_sft_only_evaluation_and_equals_a_fresh_one(tiny_
         [[st["output"] for st in r["steps"]] for r in read_jsonl(run / "traces" / "eval_epoch_0.jsonl")]
 
 
+def test_a_kept_sft_only_evaluation_is_served_only_for_the_same_dev_questions(tmp_path):
+    """The epoch-0 evaluation kept beside a warmup is keyed by the dev questions themselves (a digest of ids, text,
+    answers, paragraphs), not only by their number: another --data-dir's dev split of the same size, or another
+    sample, is evaluated anew; the same questions are served the kept one."""
+    from infra.warmups import eval_settings, sft_only
+    dev = env.load_split("synthetic", "dev", None, 4, 0)
+    other = env.load_split("synthetic", "dev", None, 4, 1)                      # another seed: other questions
+    assert [e.id for e in dev] != [e.id for e in other]
+    edited = [dataclasses.replace(dev[0], answers=["another answer"])] + dev[1:]  # same ids, another gold answer
+    calls = []
+
+    def evaluate(tag):
+        return lambda: calls.append(tag) or ({"em": float(len(calls))}, [{"id": tag, "steps": []}])
+    key = lambda questions: eval_settings(questions, 0, 8, 100, 4)                # noqa: E731
+    assert sft_only(tmp_path, key(dev), evaluate("dev"))[0] == {"em": 1.0}       # evaluated, kept
+    assert sft_only(tmp_path, key(dev), evaluate("again"))[0] == {"em": 1.0}     # served: same questions
+    assert sft_only(tmp_path, key(other), evaluate("other"))[0] == {"em": 2.0}   # same size, other questions
+    assert sft_only(tmp_path, key(edited), evaluate("edited"))[0] == {"em": 3.0}
+    assert calls == ["dev", "other", "edited"]
+    assert key(dev)["eval_size"] == key(other)["eval_size"] == 4 and key(dev)["dev"] != key(other)["dev"]
+
+
 def evals(run):
     return [(r["epoch"], r["em"], r["f1"], r["invalid_rate"]) for r in read_jsonl(run / "metrics.jsonl")
             if r["kind"] == "eval"]
